@@ -1,0 +1,17 @@
+"""hvd_compress: communication-efficient data-parallel training for Horovod + TF/Keras.
+
+Importing the package selects Keras 2 (tf_keras) for `tf.keras` by setting
+TF_USE_LEGACY_KERAS=1, unless the variable is already set: Horovod's Keras
+integration does not average gradients under Keras 3. It takes effect as long
+as `tf.keras` has not been touched before this import; `require_legacy_keras()`
+refuses to go on otherwise.
+"""
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from hvd_compress.compression import Compression, Compressor  # noqa: E402
+from hvd_compress.keras_compat import require_legacy_keras  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["Compression", "Compressor", "require_legacy_keras"]

@@ -1,0 +1,164 @@
+"""Gradient compressors, as Horovod `Compressor` subclasses.
+
+A compressor only encodes and decodes; how the payload travels lives in
+exchange.py and all state (residuals, momentum) in optimizer.py.
+
+Two kinds:
+- Stateless and sum-compatible (`none`, `fp16`): Horovod's compress/decompress
+  contract, so they also work with plain `hvd.DistributedOptimizer`.
+- Stateful or needing another collective than a sum (`onebit`, `topk`): they
+  implement `encode`/`decode` for `hvd_compress.DistributedOptimizer`, and
+  their Horovod `compress` raises a TypeError that says so.
+
+Usage mirrors Horovod: `compression=Compression.fp16`, or
+`compression=Compression.onebit(block_size=256)`.
+"""
+import math
+
+import numpy as np
+import tensorflow as tf
+from horovod.tensorflow import compression as hvd_compression
+
+from hvd_compress import ops
+
+
+class Compressor(hvd_compression.Compressor):
+    """Base class of all hvd_compress compressors."""
+
+    #: True when the compressor needs hvd_compress.DistributedOptimizer.
+    requires_optimizer = False
+
+
+class NoneCompressor(hvd_compression.NoneCompressor, Compressor):
+    """No compression: gradients travel at their own precision."""
+
+
+class FP16Compressor(hvd_compression.FP16Compressor, Compressor):
+    """Floating-point gradients travel as float16 and are cast back after the sum.
+
+    bfloat16 gradients travel as float16 too (Horovod's allreduce has no
+    bfloat16): exact for their 8 significant bits, but values beyond float16's
+    range (|x| > 65504) become Inf.
+    """
+
+
+class StatefulCompressor(Compressor):
+    """A compressor that needs hvd_compress.DistributedOptimizer.
+
+    Subclasses implement `encode`/`decode`; the optimizer keeps their state
+    (residuals for error feedback) and chooses the collective.
+    """
+
+    requires_optimizer = True
+    #: the collective the payload needs, for the error message
+    collective = "allgather"
+
+    @classmethod
+    def compress(cls, tensor):
+        raise TypeError(
+            f"{cls.__name__} keeps per-variable error-feedback state and its payload needs an "
+            f"{cls.collective} (not a sum), which hvd.DistributedOptimizer cannot do. Use "
+            f"hvd_compress.DistributedOptimizer(optimizer, compression=...) (or "
+            f"hvd_compress.DistributedGradientTape) instead of the Horovod wrapper.")
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        cls.compress(tensor)
+
+
+class OneBitCompressor(StatefulCompressor):
+    """Blockwise sign compressor of dist-EF-SGD (Zheng, Huang, Kwok, NeurIPS 2019).
+
+    C(x)_b = (||x_b||_1 / |G_b|) * sign(x_b), sign(0) = +1, for each block G_b.
+    block_size=None uses one block per tensor; an integer cuts every tensor
+    into blocks of that many elements. Wire: ceil(n/8) bytes of packed signs
+    plus one float32 scale per block.
+    """
+
+    collective = "alltoall/allgather"
+
+    def __init__(self, block_size=None):
+        self.block_size = ops.check_block_size(block_size)
+
+    def __repr__(self):
+        return f"Compression.onebit(block_size={self.block_size})"
+
+    def bounds(self, sizes):
+        """Block bounds for a buffer of tensors with these sizes (see ops.block_bounds)."""
+        return ops.block_bounds(sizes, self.block_size)
+
+    def encode(self, flat, bounds):
+        """flat [n] -> (bits uint8[ceil(n/8)], scales float32[B])."""
+        return ops.block_sign_pack(flat, bounds=bounds)
+
+    def decode(self, payload, bounds, dtype=tf.float32):
+        """One payload -> dtype[n] with +-scale per element."""
+        bits, scales = payload
+        return ops.block_sign_unpack(bits, scales, None, bounds=bounds, dtype=dtype)
+
+    def decode_mean(self, payloads, bounds, dtype=tf.float32):
+        """Mean of stacked payloads (as allgathered) -> dtype[n], fused."""
+        bits, scales = payloads
+        return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype)
+
+    @staticmethod
+    def payload_bytes(num_elements, num_blocks):
+        """Bytes of one payload: packed signs plus float32 scales."""
+        return (num_elements + 7) // 8 + 4 * num_blocks
+
+
+class TopKCompressor(StatefulCompressor):
+    """Top-k sparsification with residuals (Stich et al. 2018; Lin et al., DGC 2018).
+
+    With the optimizer's residual e: a = g + e; send the k entries of largest
+    |a| as (values, int32 indices) via allgather; e = a - sent. Give either
+    `ratio` (k = ceil(ratio * n) per tensor, at least 1) or a fixed `k`.
+    """
+
+    def __init__(self, ratio=None, k=None):
+        if (ratio is None) == (k is None):
+            raise ValueError("Compression.topk takes exactly one of ratio= (fraction of each tensor "
+                             f"to send, in (0, 1]) or k= (entries per tensor); got ratio={ratio!r}, "
+                             f"k={k!r}.")
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ValueError(f"ratio must be a number in (0, 1], e.g. 0.01 for 1%; got {ratio!r}.")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
+            raise ValueError(f"k must be a positive integer, got {k!r}.")
+        self.ratio = None if ratio is None else float(ratio)
+        self.k = None if k is None else int(k)
+
+    def __repr__(self):
+        return f"Compression.topk(ratio={self.ratio}, k={self.k})"
+
+    def num_selected(self, num_elements):
+        """k for a tensor of num_elements; a fixed k larger than the tensor is an error."""
+        if self.k is None:
+            return max(1, math.ceil(self.ratio * num_elements))
+        if self.k > num_elements:
+            raise ValueError(
+                f"Compression.topk(k={self.k}) is larger than a tensor of {num_elements} elements. "
+                "Use ratio= instead, or a k no larger than the smallest compressed tensor.")
+        return self.k
+
+    def encode(self, flat, k):
+        """flat [n] -> (values [k], int32 indices [k]) of the k largest |flat|."""
+        return ops.top_k_abs(flat, k)
+
+    def decode(self, payload, num_elements):
+        """(values, indices), possibly stacked from several ranks -> dense sum [n]."""
+        values, indices = payload
+        return ops.scatter_dense(indices, values, num_elements)
+
+    @staticmethod
+    def payload_bytes(k, element_bytes=4):
+        """Bytes of one payload: k values plus k int32 indices."""
+        return k * (element_bytes + 4)
+
+
+class Compression:
+    """The compressors, by name (like horovod.tensorflow.Compression)."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    onebit = OneBitCompressor
+    topk = TopKCompressor

@@ -1,0 +1,174 @@
+"""The compiled TensorFlow ops (tf_ops/) and thin Python wrappers around them.
+
+The library hvd_compress/_tf_ops.so is loaded once, on first use. If it is
+missing, cannot be loaded, or was compiled against another TensorFlow than
+the one imported, an `OpsLibraryError` says how to rebuild it.
+
+Blocks. The sign ops cut a flat tensor of n elements into blocks described by
+`bounds`, an int64 vector [0 = b_0 < b_1 < ... < b_B = n]. `block_bounds`
+builds it from a block size (one block per tensor by default) or from the
+sizes of the tensors fused into one buffer, so each tensor keeps its own
+scale. Bounds are a function of the layout only and are never sent.
+"""
+import functools
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+
+LIBRARY_PATH = pathlib.Path(__file__).with_name("_tf_ops.so")
+REBUILD_HINT = (
+    "Rebuild it for the installed TensorFlow: from the hvd_compress checkout run "
+    "`make setup` (or `pip install --no-build-isolation -e .`)."
+)
+FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
+_OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
+             "ScatterDense", "HvdCompressBuildInfo")
+
+
+for _name in _OP_NAMES:  # the ops compute encodings, never gradients
+    tf.no_gradient(_name)
+
+
+class OpsLibraryError(ImportError):
+    """The compiled ops library is missing or does not match TensorFlow."""
+
+
+@functools.lru_cache(maxsize=None)
+def library():
+    """The loaded op library (loaded and checked once per process)."""
+    if not LIBRARY_PATH.exists():
+        raise OpsLibraryError(
+            f"hvd_compress's compiled ops are missing: {LIBRARY_PATH} does not exist. {REBUILD_HINT}")
+    try:
+        lib = tf.load_op_library(str(LIBRARY_PATH))
+    except tf.errors.NotFoundError as exc:
+        raise OpsLibraryError(
+            f"{LIBRARY_PATH} could not be loaded into TensorFlow {tf.__version__} ({exc}); it was "
+            f"probably built for another TensorFlow. {REBUILD_HINT}") from exc
+    with tf.init_scope():
+        if tf.executing_eagerly():
+            built_for = lib.hvd_compress_build_info().numpy().decode()
+            if built_for != tf.__version__:
+                raise OpsLibraryError(
+                    f"{LIBRARY_PATH} was built for TensorFlow {built_for}, but TensorFlow "
+                    f"{tf.__version__} is imported. {REBUILD_HINT}")
+    return lib
+
+
+def check_float(tensor, name):
+    """Raises TypeError unless `tensor` is float32, float16 or bfloat16."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, float16 or bfloat16, got {tensor.dtype.name}. Cast it to a "
+            "float type, or leave integer tensors out of compression.")
+
+
+def check_block_size(block_size):
+    """Returns block_size after checking it is None or a positive integer."""
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(
+            f"block_size must be a positive integer, or None for one block per tensor; got "
+            f"{block_size!r}.")
+    return int(block_size)
+
+
+def block_bounds(sizes, block_size=None):
+    """Block boundaries for a flat buffer.
+
+    sizes: the number of elements n (a Python int or a scalar tensor), or a
+      list of the sizes of the tensors fused into one buffer, in order.
+    block_size: None for one block per tensor, else each tensor is cut into
+      blocks of block_size elements (the last one may be shorter).
+    Returns int64 [B + 1]: a constant when sizes are Python ints.
+    """
+    block_size = check_block_size(block_size)
+    if tf.is_tensor(sizes):
+        n = tf.cast(sizes, tf.int64)
+        if block_size is None:
+            starts = tf.zeros([tf.minimum(n, 1)], tf.int64)
+        else:
+            starts = tf.range(0, n, block_size, dtype=tf.int64)
+        return tf.concat([starts, tf.reshape(n, [1])], axis=0)
+    sizes = [int(sizes)] if np.ndim(sizes) == 0 else [int(s) for s in sizes]
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sizes must be non-negative, got {sizes}.")
+    starts, offset = [], 0
+    for size in sizes:
+        step = size if block_size is None else block_size
+        starts.extend(range(offset, offset + size, max(step, 1)))
+        offset += size
+    return tf.constant(np.array(starts + [offset], dtype=np.int64))
+
+
+def _bounds(n, block_size, bounds):
+    return block_bounds(n, block_size) if bounds is None else tf.convert_to_tensor(bounds, tf.int64)
+
+
+def _static_size(x):
+    size = x.shape.num_elements()
+    return size if size is not None else tf.size(x, out_type=tf.int64)
+
+
+def block_sign_pack(x, block_size=None, bounds=None):
+    """Blockwise 1-bit compression of x (flattened).
+
+    Returns (bits uint8[ceil(n/8)], scales float32[B]): bit i set when x[i] < 0
+    (LSB-first, so sign(0) = +1), scales[b] = mean |x| over block b. A NaN or
+    Inf in a block makes its scale non-finite. Pass `bounds` (from
+    `block_bounds`) instead of block_size for a fused multi-tensor layout.
+    """
+    x = tf.convert_to_tensor(x)
+    check_float(x, "x")
+    return library().block_sign_pack(x, _bounds(_static_size(x), block_size, bounds))
+
+
+def block_sign_unpack(bits, scales, n, block_size=None, bounds=None, dtype=tf.float32):
+    """Decodes one payload of `block_sign_pack` into dtype[n]: +-scale per element."""
+    result = library().block_sign_unpack(bits, scales, _bounds(n, block_size, bounds), T=dtype)
+    return _with_static_length(result, n)
+
+
+def block_sign_unpack_mean(bits, scales, n, block_size=None, bounds=None, dtype=tf.float32):
+    """Mean of m payloads decoded in one pass, dtype[n].
+
+    bits: uint8[m, ceil(n/8)] and scales: float32[m, B], or the same stacked
+    flat, as `hvd.allgather` returns them. Summed in float32 in payload order,
+    then divided by m; never materializes m dense tensors.
+    """
+    bounds = _bounds(n, block_size, bounds)
+    num_blocks = tf.size(bounds, out_type=tf.int64) - 1
+    scales = tf.reshape(scales, [-1, num_blocks]) if scales.shape.rank == 1 else scales
+    if bits.shape.rank == 1:
+        bits = tf.reshape(bits, tf.stack([tf.shape(scales, out_type=tf.int64)[0], -1]))
+    result = library().block_sign_unpack_mean(bits, scales, bounds, T=dtype)
+    return _with_static_length(result, n)
+
+
+def _with_static_length(result, n):
+    if isinstance(n, (int, np.integer)):
+        result.set_shape([int(n)])
+    return result
+
+
+def top_k_abs(x, k):
+    """The k entries of x (flattened) with the largest |x|.
+
+    Returns (values, int32 indices) in increasing index order; among equal
+    magnitudes the lower index wins and NaN counts as the largest magnitude.
+    """
+    x = tf.convert_to_tensor(x)
+    check_float(x, "x")
+    n = x.shape.num_elements()
+    if isinstance(k, (int, np.integer)) and not (0 <= k and (n is None or k <= n)):
+        raise ValueError(
+            f"k must be between 0 and the number of elements of the tensor ({n}), got k={k}. "
+            "Lower k or the top-k ratio.")
+    return library().top_k_abs(x, tf.cast(k, tf.int32))
+
+
+def scatter_dense(indices, values, n):
+    """Dense vector of length n with values summed at indices (duplicates add up)."""
+    return library().scatter_dense(indices, values, tf.cast(n, tf.int64))

@@ -1,0 +1,80 @@
+"""Builds hvd_compress and its TensorFlow custom ops.
+
+    pip install --no-build-isolation .        # or -e . for development
+
+`--no-build-isolation` is required: the ops are compiled against the
+TensorFlow that is installed in the current environment, with the flags that
+TensorFlow itself reports (tf.sysconfig), so they always match its ABI. A
+change of TensorFlow forces a full rebuild, and the library reports the
+TensorFlow version it was compiled against (the HvdCompressBuildInfo op), so
+hvd_compress/ops.py refuses to load one built for another version.
+"""
+import json
+import os
+import pathlib
+import sysconfig
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = pathlib.Path(__file__).parent.resolve()
+OPS_LIBRARY = "hvd_compress._tf_ops"
+BUILD_INFO = "_tf_ops_build.json"
+
+
+def tensorflow_build_config():
+    """Compile and link flags and version of the installed TensorFlow."""
+    try:
+        import tensorflow as tf
+    except ImportError as exc:
+        raise SystemExit(
+            "hvd_compress builds its ops against the installed TensorFlow, but "
+            "`import tensorflow` failed. Install tensorflow==2.18.1 first and "
+            "run `pip install --no-build-isolation .` so the build can see it."
+        ) from exc
+    return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+class BuildTFOps(build_ext):
+    """Compiles tf_ops/*.cc into hvd_compress/_tf_ops.so (no Python ABI tag)."""
+
+    def get_ext_filename(self, fullname):
+        filename = super().get_ext_filename(fullname)
+        if fullname.split(".")[-1] == OPS_LIBRARY.split(".")[-1]:
+            return filename[: -len(sysconfig.get_config_var("EXT_SUFFIX"))] + ".so"
+        return filename
+
+    def build_extension(self, ext):
+        version, compile_flags, link_flags = tensorflow_build_config()
+        ext.extra_compile_args = ["-std=c++17", "-O3", "-fvisibility=hidden", *compile_flags]
+        ext.extra_link_args = link_flags
+        info = pathlib.Path(self.build_temp) / BUILD_INFO
+        previous = json.loads(info.read_text()) if info.exists() else {}
+        if previous.get("tensorflow") != version:
+            self.force = True  # the library was built for another TensorFlow
+        super().build_extension(ext)
+        info.parent.mkdir(parents=True, exist_ok=True)
+        info.write_text(json.dumps({"tensorflow": version}) + "\n")
+
+
+setup(
+    name="hvd_compress",
+    version="0.1.0",
+    description="Communication-efficient data-parallel training for Horovod + TensorFlow/Keras",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["hvd_compress", "hvd_compress.*"]),
+    ext_modules=[
+        Extension(
+            OPS_LIBRARY,
+            sources=sorted(str(p.relative_to(HERE)) for p in (HERE / "tf_ops").glob("*.cc")
+                           if not p.name.endswith(".cu.cc")),
+            depends=[str(p.relative_to(HERE)) for p in (HERE / "tf_ops").glob("*.h")],
+            language="c++",
+        )
+    ],
+    cmdclass={"build_ext": BuildTFOps},
+    install_requires=["numpy", "absl-py"],
+    zip_safe=False,
+)

@@ -1,0 +1,5 @@
+"""Test settings shared by every test module (environment set before TensorFlow loads)."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

@@ -1,0 +1,72 @@
+"""NumPy re-implementations of the compiled ops, written for clarity, not speed.
+
+They follow the kernels' fixed summation order (tf_ops/blocks.h), so results
+match bit for bit: |x| is summed in float64 over pieces of a block cut by a
+global grid of KCHUNK elements, each piece with 8 interleaved lanes.
+"""
+import numpy as np
+
+KCHUNK = 1 << 14  # must equal kChunk in tf_ops/blocks.h
+
+
+def block_bounds(n, block_size=None):
+    if n == 0:
+        return np.zeros(1, np.int64)
+    step = n if block_size is None else block_size
+    return np.append(np.arange(0, n, step), n).astype(np.int64)
+
+
+def _lane_abs_sum(piece):
+    a = np.abs(piece.astype(np.float64))
+    a = np.concatenate([a, np.zeros((-len(a)) % 8)]).reshape(-1, 8)
+    lanes = np.add.accumulate(a, axis=0)[-1]  # sequential per lane
+    return np.add.accumulate(lanes)[-1]  # lanes added in order
+
+
+def pack(x, bounds):
+    """(bits, scales) of block_sign_pack."""
+    xf = np.asarray(x).reshape(-1).astype(np.float32)
+    bits = np.packbits(xf < 0, bitorder="little")
+    scales = np.empty(len(bounds) - 1, np.float32)
+    for b in range(len(bounds) - 1):
+        lo, hi = int(bounds[b]), int(bounds[b + 1])
+        total = 0.0
+        for chunk in range(lo // KCHUNK, (hi - 1) // KCHUNK + 1):
+            total += _lane_abs_sum(xf[max(lo, chunk * KCHUNK):min(hi, (chunk + 1) * KCHUNK)])
+        scales[b] = np.float32(total / (hi - lo))
+    return bits, scales
+
+
+def unpack(bits, scales, bounds):
+    """float32 decoding of one payload."""
+    n = int(bounds[-1])
+    negative = np.unpackbits(np.asarray(bits, np.uint8), bitorder="little")[:n].astype(bool)
+    per_element = np.repeat(np.asarray(scales, np.float32), np.diff(bounds))
+    return np.where(negative, -per_element, per_element).astype(np.float32)
+
+
+def unpack_mean(bits_list, scales_list, bounds):
+    """Mean of several payloads: float32 sum in order, then / m."""
+    acc = np.zeros(int(bounds[-1]), np.float32)
+    for bits, scales in zip(bits_list, scales_list):
+        acc += unpack(bits, scales, bounds)
+    return acc / np.float32(len(bits_list))
+
+
+def abs_key(x):
+    """Order-preserving key of |x| (NaN above Inf), as AbsKey in tf_ops/blocks.h."""
+    return np.asarray(x).reshape(-1).astype(np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
+
+
+def top_k_abs(x, k):
+    """(values, indices) of the k largest |x|, ties to the lower index, by index."""
+    flat = np.asarray(x).reshape(-1)
+    order = np.lexsort((np.arange(flat.size), -abs_key(flat).astype(np.int64)))
+    indices = np.sort(order[:k]).astype(np.int32)
+    return flat[indices], indices
+
+
+def scatter_dense(indices, values, n, dtype=np.float32):
+    acc = np.zeros(n, np.float32)
+    np.add.at(acc, np.asarray(indices).reshape(-1), np.asarray(values).reshape(-1).astype(np.float32))
+    return acc.astype(dtype)

@@ -1,0 +1,252 @@
+"""The compiled ops against the NumPy reference (bit-exact) and their invariants."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import np_reference as ref
+from hvd_compress import ops
+
+DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+# Small odd sizes with any block size, and sizes around the kernels' chunk grid
+# with blocks that cross it (tiny blocks there would only slow the reference).
+SMALL_LAYOUTS = st.tuples(st.integers(0, 300), st.one_of(st.none(), st.integers(1, 40), st.just(256)))
+LARGE_LAYOUTS = st.tuples(
+    st.sampled_from([ref.KCHUNK - 1, ref.KCHUNK, ref.KCHUNK + 1, 2 * ref.KCHUNK + 9, 3 * ref.KCHUNK + 5]),
+    st.sampled_from([None, 97, 1000, ref.KCHUNK + 3]))
+LAYOUTS = st.one_of(SMALL_LAYOUTS, LARGE_LAYOUTS)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def sample(n, seed, dtype="float32", ties=False):
+    """Gaussian values with exact zeros and negative zeros sprinkled in (small integers if ties)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-4, 5, n).astype(np.float32) if ties else rng.standard_normal(n).astype(np.float32)
+    x[rng.random(n) < 0.05] = 0.0
+    x[rng.random(n) < 0.05] = -0.0
+    return tf.cast(tf.constant(x), DTYPES[dtype])
+
+
+@SETTINGS
+@given(layout=LAYOUTS, dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+def test_pack_unpack_match_numpy_bit_exact(layout, dtype, seed):
+    n, block_size = layout
+    x = sample(n, seed, dtype)
+    bounds = ref.block_bounds(n, block_size)
+    np.testing.assert_array_equal(ops.block_bounds(n, block_size).numpy(), bounds)
+
+    bits, scales = ops.block_sign_pack(x, block_size)
+    want_bits, want_scales = ref.pack(x.numpy(), bounds)
+    np.testing.assert_array_equal(bits.numpy(), want_bits)
+    np.testing.assert_array_equal(scales.numpy(), want_scales)  # bit-exact, not approximately
+
+    decoded = ops.block_sign_unpack(bits, scales, n, block_size)
+    np.testing.assert_array_equal(decoded.numpy(), ref.unpack(want_bits, want_scales, bounds))
+    as_input_dtype = ops.block_sign_unpack(bits, scales, n, block_size, dtype=DTYPES[dtype])
+    assert as_input_dtype.dtype == DTYPES[dtype]
+    np.testing.assert_array_equal(as_input_dtype.numpy(), tf.cast(decoded, DTYPES[dtype]).numpy())
+
+
+@SETTINGS
+@given(layout=LAYOUTS, seed=st.integers(0, 2**16))
+def test_unpack_of_pack_has_signs_and_block_means(layout, seed):
+    n, block_size = layout
+    x = sample(n, seed).numpy()
+    bits, scales = ops.block_sign_pack(x, block_size)
+    y = ops.block_sign_unpack(bits, scales, n, block_size).numpy()
+    bounds = ref.block_bounds(n, block_size)
+    if n == 0:
+        assert y.size == 0 and scales.shape == [0]
+        return
+    block_means = np.add.reduceat(np.abs(x.astype(np.float64)), bounds[:-1]) / np.diff(bounds)
+    np.testing.assert_allclose(scales.numpy(), block_means, rtol=1e-6)
+    per_element = np.repeat(scales.numpy(), np.diff(bounds))
+    np.testing.assert_array_equal(np.abs(y), per_element)  # one magnitude per block...
+    nonzero = per_element > 0  # ...and the signs of x, with sign(0) = sign(-0) = +1
+    np.testing.assert_array_equal((y < 0)[nonzero], (x < 0)[nonzero])
+
+
+@SETTINGS
+@given(layout=LAYOUTS, ranks=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_unpack_mean_matches_numpy(layout, ranks, seed):
+    n, block_size = layout
+    payloads = [ops.block_sign_pack(sample(n, seed + r), block_size) for r in range(ranks)]
+    bits = tf.stack([p[0] for p in payloads])
+    scales = tf.stack([p[1] for p in payloads])
+    bounds = ref.block_bounds(n, block_size)
+    want = ref.unpack_mean([b.numpy() for b in bits], [s.numpy() for s in scales], bounds)
+    np.testing.assert_array_equal(ops.block_sign_unpack_mean(bits, scales, n, block_size).numpy(), want)
+    # The flat concatenation that hvd.allgather returns decodes the same.
+    flat = ops.block_sign_unpack_mean(tf.reshape(bits, [-1]), tf.reshape(scales, [-1]), n, block_size)
+    np.testing.assert_array_equal(flat.numpy(), want)
+
+
+def test_bit_order_is_lsb_first_and_zero_is_positive():
+    x = tf.constant([-1.0, 0.0, -0.0, 2.0, 1.0, 1.0, 1.0, -3.0, -1.0])
+    bits, scales = ops.block_sign_pack(x)
+    assert bits.numpy().tolist() == [0b10000001, 0b1]
+    np.testing.assert_allclose(scales.numpy(), [10.0 / 9])
+
+
+def test_fused_layout_gives_each_tensor_its_own_blocks():
+    bounds = ops.block_bounds([3, 0, 5, 2], block_size=None).numpy()
+    np.testing.assert_array_equal(bounds, [0, 3, 8, 10])
+    np.testing.assert_array_equal(ops.block_bounds([5, 3], block_size=2).numpy(), [0, 2, 4, 5, 7, 8])
+    x = tf.constant([1.0, -1.0, 1.0, 4.0, 4.0, -4.0, 4.0, 4.0, 0.5, 0.5])
+    _, scales = ops.block_sign_pack(x, bounds=bounds)
+    np.testing.assert_allclose(scales.numpy(), [1.0, 4.0, 0.5])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_value_makes_its_block_non_finite(bad):
+    x = np.ones(64, np.float32)
+    x[40] = bad
+    bits, scales = ops.block_sign_pack(x, block_size=16)
+    assert np.all(np.isfinite(scales.numpy()[[0, 1, 3]]))
+    assert not np.isfinite(scales.numpy()[2])
+    decoded = ops.block_sign_unpack(bits, scales, 64, 16).numpy()
+    assert not np.any(np.isfinite(decoded[32:48]))
+    assert np.all(np.isfinite(decoded[:32]))
+
+
+def test_results_do_not_depend_on_thread_count(tmp_path):
+    """The fixed chunk grid makes a 1-thread process give the same bytes as this one."""
+    script = tmp_path / "one_thread.py"
+    script.write_text(
+        "import sys, numpy as np, tensorflow as tf\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(1)\n"
+        "from hvd_compress import ops\n"
+        "x = np.random.default_rng(3).standard_normal(5 * 16384 + 11).astype(np.float32)\n"
+        "bits, scales = ops.block_sign_pack(x)\n"
+        "np.savez(sys.argv[1], bits=bits.numpy(), scales=scales.numpy(), top=ops.top_k_abs(x, 999)[1].numpy())\n")
+    subprocess.run([sys.executable, str(script), str(tmp_path / "one.npz")], check=True, timeout=120)
+    one_thread = np.load(tmp_path / "one.npz")
+    x = np.random.default_rng(3).standard_normal(5 * ref.KCHUNK + 11).astype(np.float32)
+    bits, scales = ops.block_sign_pack(x)
+    np.testing.assert_array_equal(one_thread["bits"], bits.numpy())
+    np.testing.assert_array_equal(one_thread["scales"], scales.numpy())
+    np.testing.assert_array_equal(one_thread["top"], ops.top_k_abs(x, 999)[1].numpy())
+
+
+@SETTINGS
+@given(n=st.integers(1, 3000), data=st.data(), dtype=st.sampled_from(sorted(DTYPES)),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_top_k_abs_matches_numpy(n, data, dtype, ties, seed):
+    k = data.draw(st.integers(0, n))
+    x = sample(n, seed, dtype, ties=ties)
+    values, indices = ops.top_k_abs(x, k)
+    want_values, want_indices = ref.top_k_abs(x.numpy(), k)
+    np.testing.assert_array_equal(indices.numpy(), want_indices)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+    # Invariant: nothing left out is larger than what was taken.
+    if 0 < k < n:
+        left_out = np.delete(np.abs(x.numpy().astype(np.float32)), indices.numpy())
+        assert left_out.max() <= np.abs(values.numpy().astype(np.float32)).min()
+
+
+def test_top_k_abs_many_segments_and_non_finite():
+    x = sample(3 * 65536 + 17, 11, ties=True).numpy()  # several segments, many ties
+    x[[5, 70000, 150000]] = [np.nan, -np.inf, np.inf]
+    for k in (1, 3, 1000, 70001):
+        values, indices = ops.top_k_abs(x, k)
+        want_values, want_indices = ref.top_k_abs(x, k)
+        np.testing.assert_array_equal(indices.numpy(), want_indices)
+        np.testing.assert_array_equal(values.numpy(), want_values)
+    assert ops.top_k_abs(x, 1)[1].numpy().tolist() == [5]  # NaN counts as the largest
+
+
+@SETTINGS
+@given(n=st.integers(0, 5000), k=st.integers(0, 400), dtype=st.sampled_from(sorted(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_scatter_dense_sums_duplicates(n, k, dtype, seed):
+    rng = np.random.default_rng(seed)
+    indices = rng.integers(0, max(n, 1), k if n else 0).astype(np.int32)
+    values = tf.cast(rng.standard_normal(indices.size).astype(np.float32), DTYPES[dtype])
+    got = ops.scatter_dense(indices, values, n)
+    want = ref.scatter_dense(indices, values.numpy(), n, got.dtype.as_numpy_dtype)
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(ops.scatter_dense(indices.astype(np.int64), values, n).numpy(), want)
+
+
+def test_scatter_of_top_k_is_a_round_trip():
+    x = sample(1000, 5).numpy()
+    values, indices = ops.top_k_abs(x, 100)
+    dense = ops.scatter_dense(indices, values, 1000).numpy()
+    np.testing.assert_array_equal(dense[indices.numpy()], x[indices.numpy()])
+    assert np.count_nonzero(dense) == np.count_nonzero(x[indices.numpy()])
+
+
+def test_shape_inference_with_unknown_dimensions():
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([], tf.int32)])
+    def dynamic(x, k):
+        n = tf.size(x, out_type=tf.int64)
+        bits, scales = ops.block_sign_pack(x, block_size=4)
+        decoded = ops.block_sign_unpack(bits, scales, n, block_size=4)
+        mean = ops.block_sign_unpack_mean(tf.stack([bits, bits]), tf.stack([scales, scales]), n, block_size=4)
+        values, indices = ops.top_k_abs(x, k)
+        dense = ops.scatter_dense(indices, values, n)
+        for t in (bits, scales, decoded, mean, values, indices, dense):
+            assert t.shape.as_list() == [None], t
+        return decoded, mean, dense
+
+    decoded, mean, dense = dynamic(tf.ones([3, 5]), tf.constant(2))
+    assert decoded.shape == [15] and mean.shape == [15] and dense.shape == [15]
+
+    @tf.function(input_signature=[tf.TensorSpec([6, 5], tf.float32)])
+    def static(x):
+        bits, scales = ops.block_sign_pack(x, block_size=4)
+        assert bits.shape.as_list() == [4] and scales.shape.as_list() == [8]
+        assert ops.block_sign_unpack(bits, scales, 30, block_size=4).shape.as_list() == [30]
+        values, indices = ops.top_k_abs(x, 7)
+        assert values.shape.as_list() == [7] and indices.shape.as_list() == [7]
+        assert ops.scatter_dense(indices, values, 30).shape.as_list() == [30]
+        return bits
+
+    static(tf.ones([6, 5]))
+
+
+def test_ops_have_no_gradient():
+    x = tf.Variable(tf.ones([8]))
+    with tf.GradientTape() as tape:
+        _, scales = ops.block_sign_pack(x)
+        values, _ = ops.top_k_abs(x, 2)
+        loss = tf.reduce_sum(scales) + tf.reduce_sum(values)
+    assert tape.gradient(loss, x) is None
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: ops.block_sign_pack(tf.ones([4]), block_size=0), ValueError, "block_size"),
+    (lambda: ops.block_sign_pack(tf.ones([4]), block_size=-3), ValueError, "block_size"),
+    (lambda: ops.block_sign_pack(tf.ones([4], tf.int32)), TypeError, "float"),
+    (lambda: ops.block_sign_pack(tf.ones([4]), bounds=[0, 3]), tf.errors.InvalidArgumentError, "n=4"),
+    (lambda: ops.block_sign_pack(tf.ones([4]), bounds=[0, 2, 2, 4]), tf.errors.InvalidArgumentError,
+     "strictly increasing"),
+    (lambda: ops.block_sign_unpack(tf.zeros([1], tf.uint8), tf.ones([2]), 9, 4),
+     tf.errors.InvalidArgumentError, "does not match"),
+    (lambda: ops.top_k_abs(tf.ones([4]), 5), ValueError, "k"),
+    (lambda: ops.top_k_abs(tf.ones([4]), tf.constant(5)), tf.errors.InvalidArgumentError, "k must be"),
+    (lambda: ops.scatter_dense([0, 4], [1.0, 2.0], 4), tf.errors.InvalidArgumentError, "out of range"),
+])
+def test_bad_input_gets_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_library_built_for_another_tensorflow_is_refused(monkeypatch):
+    ops.library.cache_clear()
+    monkeypatch.setattr(tf, "__version__", "0.0.0")
+    with pytest.raises(ops.OpsLibraryError, match="built for TensorFlow 2.*but TensorFlow 0.0.0.*make setup"):
+        ops.library()
+    monkeypatch.undo()
+    ops.library.cache_clear()
+    missing = ops.LIBRARY_PATH.with_name("no_such_library.so")
+    monkeypatch.setattr(ops, "LIBRARY_PATH", missing)
+    with pytest.raises(ops.OpsLibraryError, match="missing.*make setup"):
+        ops.library()
+    monkeypatch.undo()
+    ops.library.cache_clear()
+    assert ops.library() is not None

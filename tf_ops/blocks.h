@@ -1,0 +1,94 @@
+// Shared helpers for the hvd_compress CPU kernels: block bounds, the fixed
+// chunk decomposition used for deterministic multi-threading, and sharding
+// onto TensorFlow's CPU thread pool.
+//
+// Determinism: work is split into chunks of kChunk elements at fixed global
+// offsets (multiples of kChunk), never by thread count, so every reduction is
+// done in the same order on any machine and the NumPy reference in
+// tests/np_reference.py reproduces it bit for bit.
+#ifndef HVD_COMPRESS_TF_OPS_BLOCKS_H_
+#define HVD_COMPRESS_TF_OPS_BLOCKS_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace hvd_compress {
+
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+// Elements per work item; a multiple of 8 so a chunk owns whole bytes of a
+// packed bit vector. Must match KCHUNK in tests/np_reference.py.
+constexpr int64_t kChunk = 1 << 14;
+
+inline int64_t NumChunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+// Runs work(begin, end) over [0, total) on TF's intra-op CPU thread pool.
+// cost_per_unit is a rough count of cycles for one unit of work.
+inline void ParallelFor(OpKernelContext* ctx, int64_t total,
+                        int64_t cost_per_unit,
+                        const std::function<void(int64_t, int64_t)>& work) {
+  const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+  tensorflow::Shard(workers.num_threads, workers.workers, total, cost_per_unit,
+                    [&work](int64_t begin, int64_t end) { work(begin, end); });
+}
+
+// Checks that `bounds` is an int64 vector [0 = b_0 < b_1 < ... < b_B = n]
+// describing B non-empty blocks that cover n elements.
+inline absl::Status ValidateBounds(const Tensor& bounds, int64_t n) {
+  if (bounds.dims() != 1 || bounds.NumElements() < 1) {
+    return tensorflow::errors::InvalidArgument(
+        "bounds must be a vector [0, ..., n] of block boundaries, got shape ",
+        bounds.shape().DebugString(),
+        "; build it with hvd_compress.ops.block_bounds(n, block_size)");
+  }
+  const auto b = bounds.flat<int64_t>();
+  const int64_t last = b(b.size() - 1);
+  if (b(0) != 0 || last != n) {
+    return tensorflow::errors::InvalidArgument(
+        "bounds must start at 0 and end at the number of elements n=", n,
+        ", got bounds[0]=", b(0), " and bounds[-1]=", last);
+  }
+  for (int64_t i = 1; i < b.size(); ++i) {
+    if (b(i) <= b(i - 1)) {
+      return tensorflow::errors::InvalidArgument(
+          "bounds must be strictly increasing (no empty blocks), but bounds[",
+          i, "]=", b(i), " <= bounds[", i - 1, "]=", b(i - 1));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Calls piece(block, begin, end) for every block that intersects the chunk
+// [chunk_begin, chunk_end), clipped to the chunk, in increasing order.
+template <typename Fn>
+inline void ForEachPieceInChunk(const int64_t* bounds, int64_t num_blocks,
+                                int64_t chunk_begin, int64_t chunk_end,
+                                Fn&& piece) {
+  int64_t block = std::upper_bound(bounds, bounds + num_blocks + 1,
+                                   chunk_begin) - bounds - 1;
+  for (; block < num_blocks && bounds[block] < chunk_end; ++block) {
+    piece(block, std::max(chunk_begin, bounds[block]),
+          std::min(chunk_end, bounds[block + 1]));
+  }
+}
+
+// |v| as an order-preserving unsigned key: larger |v| gives a larger key and
+// NaN sorts above +Inf, so a NaN is always among the largest magnitudes.
+template <typename T>
+inline uint32_t AbsKey(T v) {
+  const float f = static_cast<float>(v);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits & 0x7fffffffu;
+}
+
+}  // namespace hvd_compress
+
+#endif  // HVD_COMPRESS_TF_OPS_BLOCKS_H_

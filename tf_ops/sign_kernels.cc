@@ -1,0 +1,209 @@
+// CPU kernels for BlockSignPack, BlockSignUnpack and BlockSignUnpackMean.
+// See sign_ops.cc for the op contracts and blocks.h for the deterministic
+// chunking: both passes run over fixed global chunks of kChunk elements, so
+// the scales are bit-identical for any number of threads.
+#include <cmath>
+#include <vector>
+
+#include "blocks.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+
+namespace hvd_compress {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+
+namespace {
+
+// Sum of |x[0:len]| in float64 with 8 interleaved lanes (element j goes to
+// lane j % 8; lanes added in order). Fixed order, vectorizable.
+template <typename T>
+double AbsSum(const T* x, int64_t len) {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    for (int l = 0; l < 8; ++l) {
+      lane[l] += std::fabs(static_cast<double>(static_cast<float>(x[i + l])));
+    }
+  }
+  for (int l = 0; i + l < len; ++l) {
+    lane[l] += std::fabs(static_cast<double>(static_cast<float>(x[i + l])));
+  }
+  double sum = 0;
+  for (int l = 0; l < 8; ++l) sum += lane[l];
+  return sum;
+}
+
+// Packs x[begin:end) (begin a multiple of 8) into bits[begin/8 : ...].
+template <typename T>
+void PackSigns(const T* x, int64_t begin, int64_t end, uint8_t* bits) {
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    uint8_t byte = 0;
+    for (int l = 0; l < 8; ++l) {
+      byte |= static_cast<uint8_t>(static_cast<float>(x[i + l]) < 0.0f) << l;
+    }
+    bits[i >> 3] = byte;
+  }
+  if (i < end) {
+    uint8_t byte = 0;
+    for (int l = 0; i + l < end; ++l) {
+      byte |= static_cast<uint8_t>(static_cast<float>(x[i + l]) < 0.0f) << l;
+    }
+    bits[i >> 3] = byte;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+class BlockSignPackOp : public OpKernel {
+ public:
+  explicit BlockSignPackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x_tensor = ctx->input(0);
+    const Tensor& bounds_tensor = ctx->input(1);
+    const int64_t n = x_tensor.NumElements();
+    OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
+    const int64_t num_blocks = bounds_tensor.NumElements() - 1;
+    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
+
+    Tensor* bits_tensor = nullptr;
+    Tensor* scales_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({(n + 7) / 8}),
+                                             &bits_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}),
+                                             &scales_tensor));
+    if (n == 0) return;
+    const T* x = x_tensor.flat<T>().data();
+    uint8_t* bits = bits_tensor->flat<uint8_t>().data();
+    float* scales = scales_tensor->flat<float>().data();
+
+    // Each block is cut by the global chunk grid into pieces; piece p of
+    // block b is its intersection with chunk first_chunk(b) + p.
+    std::vector<int64_t> piece_offset(num_blocks + 1, 0);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      piece_offset[b + 1] = piece_offset[b] + (bounds[b + 1] - 1) / kChunk -
+                            bounds[b] / kChunk + 1;
+    }
+    std::vector<double> piece_sum(piece_offset[num_blocks]);
+
+    // Pass 1 (one read of x): signs and per-piece |x| sums, chunk by chunk.
+    ParallelFor(ctx, NumChunks(n), kChunk * 4, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+        PackSigns(x, lo, hi, bits);
+        ForEachPieceInChunk(
+            bounds, num_blocks, lo, hi,
+            [&](int64_t b, int64_t begin, int64_t end) {
+              piece_sum[piece_offset[b] + c - bounds[b] / kChunk] =
+                  AbsSum(x + begin, end - begin);
+            });
+      }
+    });
+    // Pass 2 (tiny): a block's scale is the in-order sum of its pieces.
+    ParallelFor(ctx, num_blocks, 16, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        double sum = 0;
+        for (int64_t p = piece_offset[b]; p < piece_offset[b + 1]; ++p) {
+          sum += piece_sum[p];
+        }
+        scales[b] = static_cast<float>(sum / static_cast<double>(
+                                                 bounds[b + 1] - bounds[b]));
+      }
+    });
+  }
+};
+
+// Decodes m payloads and averages them. kMean = false is the single-payload
+// op (rank-1 bits and scales); its result equals the mean of one payload.
+template <typename T, bool kMean>
+class BlockSignUnpackOp : public OpKernel {
+ public:
+  explicit BlockSignUnpackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& bits_tensor = ctx->input(0);
+    const Tensor& scales_tensor = ctx->input(1);
+    const Tensor& bounds_tensor = ctx->input(2);
+    const int payload_rank = kMean ? 2 : 1;
+    OP_REQUIRES(ctx, bounds_tensor.dims() == 1 && bounds_tensor.NumElements() > 0,
+                InvalidArgument("bounds must be a non-empty vector, got shape ",
+                                bounds_tensor.shape().DebugString()));
+    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
+    const int64_t num_blocks = bounds_tensor.NumElements() - 1;
+    const int64_t n = bounds[num_blocks];
+    OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
+    OP_REQUIRES(ctx, bits_tensor.dims() == payload_rank &&
+                         scales_tensor.dims() == payload_rank,
+                InvalidArgument("bits and scales must have rank ", payload_rank,
+                                ", got shapes ", bits_tensor.shape().DebugString(),
+                                " and ", scales_tensor.shape().DebugString()));
+    const int64_t m = kMean ? bits_tensor.dim_size(0) : 1;
+    const int64_t num_bytes = (n + 7) / 8;
+    OP_REQUIRES(ctx, bits_tensor.NumElements() == m * num_bytes &&
+                         scales_tensor.NumElements() == m * num_blocks &&
+                         (!kMean || scales_tensor.dim_size(0) == m),
+                InvalidArgument("payload does not match bounds: expected bits [",
+                                m, ", ", num_bytes, "] and scales [", m, ", ",
+                                num_blocks, "] for n=", n, " and ", num_blocks,
+                                " blocks, got ", bits_tensor.shape().DebugString(),
+                                " and ", scales_tensor.shape().DebugString()));
+    OP_REQUIRES(ctx, m > 0,
+                InvalidArgument("block_sign_unpack_mean needs at least one payload"));
+
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y_tensor));
+    if (n == 0) return;
+    const uint8_t* bits = bits_tensor.flat<uint8_t>().data();
+    const float* scales = scales_tensor.flat<float>().data();
+    T* y = y_tensor->flat<T>().data();
+    const float count = static_cast<float>(m);
+
+    ParallelFor(ctx, NumChunks(n), kChunk * (2 + 2 * m), [&](int64_t first, int64_t last) {
+      std::vector<float> acc(kChunk);
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+        std::fill(acc.begin(), acc.begin() + (hi - lo), 0.0f);
+        ForEachPieceInChunk(
+            bounds, num_blocks, lo, hi,
+            [&](int64_t b, int64_t begin, int64_t end) {
+              for (int64_t r = 0; r < m; ++r) {
+                const float scale = scales[r * num_blocks + b];
+                const uint8_t* payload = bits + r * num_bytes;
+                float* out = acc.data() - lo;
+                for (int64_t i = begin; i < end; ++i) {
+                  out[i] += ((payload[i >> 3] >> (i & 7)) & 1) ? -scale : scale;
+                }
+              }
+            });
+        for (int64_t i = lo; i < hi; ++i) {
+          y[i] = static_cast<T>(kMean ? acc[i - lo] / count : acc[i - lo]);
+        }
+      }
+    });
+  }
+};
+
+#define REGISTER_SIGN_KERNELS(T)                                            \
+  REGISTER_KERNEL_BUILDER(                                                  \
+      Name("BlockSignPack").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
+      BlockSignPackOp<T>);                                                  \
+  REGISTER_KERNEL_BUILDER(                                                  \
+      Name("BlockSignUnpack").Device(DEVICE_CPU).TypeConstraint<T>("T"),    \
+      BlockSignUnpackOp<T, false>);                                         \
+  REGISTER_KERNEL_BUILDER(                                                  \
+      Name("BlockSignUnpackMean").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+      BlockSignUnpackOp<T, true>);
+
+REGISTER_SIGN_KERNELS(float);
+REGISTER_SIGN_KERNELS(Eigen::half);
+REGISTER_SIGN_KERNELS(Eigen::bfloat16);
+#undef REGISTER_SIGN_KERNELS
+
+}  // namespace hvd_compress
