@@ -1,0 +1,24 @@
+# hvd_compress: `make demo` sets everything up and runs the main job; `make test` runs the tests.
+VENV ?= .venv
+NP ?= 2
+PY := $(VENV)/bin/python
+HOROVODRUN := $(VENV)/bin/horovodrun
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: setup demo test bench clean
+
+setup:
+	./scripts/setup.sh
+
+demo: setup
+	PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) examples/keras_digits.py --compression fp16
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) benchmarks/ops_throughput.py
+
+clean:
+	rm -rf build hvd_compress/_tf_ops.so

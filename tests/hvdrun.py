@@ -1,0 +1,64 @@
+"""Runs a worker script on several local ranks under horovodrun, with a hard timeout.
+
+Each rank of a worker (tests/workers/*.py) writes a JSON result with
+`workers/_worker.report`; `run_ranks` returns them ordered by rank. On a
+non-zero exit or a timeout, the whole launcher process group is killed and
+the test fails with every rank's output (horovodrun prefixes each line with
+its rank), so a hang costs at most `timeout` seconds and is easy to read.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+TESTS = pathlib.Path(__file__).parent.resolve()
+WORKERS = TESTS / "workers"
+HOROVODRUN = pathlib.Path(sys.executable).with_name("horovodrun")
+LAUNCHERS = ("gloo", "mpi")
+
+
+def worker_env(extra=None):
+    """Environment for ranks: one TF thread each (ranks share the machine's cores)."""
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TF_NUM_INTRAOP_THREADS": "1",
+        "TF_NUM_INTEROP_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
+    """Runs tests/workers/<worker> on `np` ranks; returns the per-rank result dicts."""
+    assert launcher in LAUNCHERS, launcher
+    with tempfile.TemporaryDirectory(prefix="hvdrun-") as out_dir:
+        cmd = [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}",
+               sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=worker_env(env), start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(f"{worker} on {np} ranks ({launcher}) timed out after {timeout}s and was "
+                        f"killed.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
+        if proc.returncode != 0:
+            pytest.fail(f"{worker} on {np} ranks ({launcher}) exited with {proc.returncode}.\n"
+                        f"$ {' '.join(cmd)}\n{output}", pytrace=False)
+        results = []
+        for rank in range(np):
+            path = pathlib.Path(out_dir) / f"rank{rank}.json"
+            if not path.exists():
+                pytest.fail(f"rank {rank} of {worker} wrote no result.\n{output}", pytrace=False)
+            results.append(json.loads(path.read_text()))
+        return results
