@@ -57,7 +57,7 @@ class StatefulCompressor(Compressor):
     def compress(cls, tensor):
         raise TypeError(
             f"{cls.__name__} keeps per-variable error-feedback state and its payload needs an "
-            f"{cls.collective} (not a sum), which hvd.DistributedOptimizer cannot do. Use "
+            f"{cls.collective} (not a sum), which hvd.DistributedOptimizer cannot do: use "
             f"hvd_compress.DistributedOptimizer(optimizer, compression=...) (or "
             f"hvd_compress.DistributedGradientTape) instead of the Horovod wrapper.")
 

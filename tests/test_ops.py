@@ -250,3 +250,26 @@ def test_library_built_for_another_tensorflow_is_refused(monkeypatch):
     monkeypatch.undo()
     ops.library.cache_clear()
     assert ops.library() is not None
+
+
+def test_more_than_2_pow_31_elements():
+    """64-bit indexing end to end: 2^31 + 13 bfloat16 values (4.3 GB; needs ~14 GB free)."""
+    import psutil
+
+    if psutil.virtual_memory().available < 16 * 2**30:
+        pytest.skip("needs 16 GiB of free memory for a 2^31-element tensor")
+    n = 2**31 + 13
+    negative = [0, 2**31 - 1, 2**31, 2**31 + 5, n - 1]
+    x = tf.tensor_scatter_nd_update(tf.fill([n], tf.constant(0.5, tf.bfloat16)),
+                                    [[i] for i in negative], tf.constant([-2.0] * 5, tf.bfloat16))
+    bits, scales = ops.block_sign_pack(x, block_size=2**31)
+    del x
+    assert bits.shape == [(n + 7) // 8] and scales.shape == [2]
+    set_bits = np.flatnonzero(np.unpackbits(bits.numpy(), bitorder="little")[:n])
+    np.testing.assert_array_equal(set_bits, negative)
+    want_first = (0.5 * (2**31 - 2) + 2.0 * 2) / 2**31
+    np.testing.assert_allclose(scales.numpy(), [want_first, (0.5 * 10 + 2.0 * 3) / 13], rtol=1e-7)
+    decoded = ops.block_sign_unpack(bits, scales, n, block_size=2**31, dtype=tf.bfloat16)
+    assert decoded.shape == [n]
+    tail = decoded[2**31 - 2:].numpy().astype(np.float32)
+    np.testing.assert_array_equal(tail < 0, np.isin(np.arange(2**31 - 2, n), negative))

@@ -1,0 +1,127 @@
+"""Throughput of the compiled ops beside a memory copy and beside stock-TF equivalents.
+
+    .venv/bin/python benchmarks/ops_throughput.py [--sizes=1M,16M,64M] [--repeats=7]
+
+Every figure is GB/s of float32 input (n * 4 bytes / median time), so a
+number near the copy's means the op runs at memory bandwidth. "stock TF" is
+the same computation written with tf.sign/cast/reshape/reduce ops, the way
+pure-Python compression plugins do it. Writes results/ops_throughput.json and
+prints a markdown table.
+"""
+import json
+import os
+import pathlib
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from hvd_compress import ops  # noqa: E402
+
+flags.DEFINE_list("sizes", ["1M", "16M", "64M"], "Tensor sizes in floats (K/M suffixes).")
+flags.DEFINE_integer("repeats", 7, "Timed calls per figure (the median is reported).")
+flags.DEFINE_integer("ranks", 4, "Payloads averaged by unpack_mean.")
+flags.DEFINE_float("topk_ratio", 0.01, "k / n for top-k.")
+flags.DEFINE_string("out", "results/ops_throughput.json", "Where to write the figures.")
+FLAGS = flags.FLAGS
+
+POWERS = (1 << np.arange(8, dtype=np.int32)).astype(np.uint8)
+
+
+def stock_pack(x):
+    negative = tf.reshape(tf.cast(tf.pad(tf.cast(x < 0, tf.uint8), [[0, (-tf.size(x)) % 8]]), tf.int32),
+                          [-1, 8])
+    bits = tf.cast(tf.reduce_sum(negative * tf.cast(POWERS, tf.int32), axis=1), tf.uint8)
+    return bits, tf.reshape(tf.reduce_mean(tf.abs(x)), [1])
+
+
+def stock_unpack(bits, scales, n):
+    shifts = tf.constant(np.arange(8, dtype=np.uint8))
+    negative = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[:, None], shifts), tf.constant(1, tf.uint8))
+    signs = 1.0 - 2.0 * tf.cast(tf.reshape(negative, [-1])[:n], tf.float32)
+    return signs * scales[0]
+
+
+def stock_unpack_mean(bits, scales, n):
+    return tf.reduce_mean(tf.stack([stock_unpack(bits[r], scales[r], n) for r in range(bits.shape[0])]), 0)
+
+
+def stock_top_k(x, k):
+    _, indices = tf.math.top_k(tf.abs(x), k, sorted=False)
+    return tf.gather(x, indices), indices
+
+
+def median_seconds(fn, *args):
+    fn(*args)  # trace and warm up
+    times = []
+    for _ in range(FLAGS.repeats):
+        start = time.perf_counter()
+        result = fn(*args)
+        tf.nest.map_structure(lambda t: t.shape, result)  # ops on CPU run synchronously
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def parse_size(text):
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def measure(n):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal(n).astype(np.float32))
+    k = max(1, int(FLAGS.topk_ratio * n))
+    bits, scales = ops.block_sign_pack(x)
+    stacked_bits = tf.stack([bits] * FLAGS.ranks)
+    stacked_scales = tf.stack([scales] * FLAGS.ranks)
+    bounds = ops.block_bounds(n)
+    cases = {
+        "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
+        "tf.identity": (tf.function(tf.identity), x),
+        "pack": (tf.function(lambda t: ops.block_sign_pack(t, bounds=bounds)), x),
+        "pack, stock TF": (tf.function(stock_pack), x),
+        "unpack": (tf.function(lambda b, s: ops.block_sign_unpack(b, s, n, bounds=bounds)), bits, scales),
+        "unpack, stock TF": (tf.function(lambda b, s: stock_unpack(b, s, n)), bits, scales),
+        f"unpack_mean ({FLAGS.ranks} payloads)": (
+            tf.function(lambda b, s: ops.block_sign_unpack_mean(b, s, n, bounds=bounds)),
+            stacked_bits, stacked_scales),
+        f"unpack_mean ({FLAGS.ranks} payloads), stock TF": (
+            tf.function(lambda b, s: stock_unpack_mean(b, s, n)), stacked_bits, stacked_scales),
+        f"top_k_abs (k = {FLAGS.topk_ratio:g} n)": (tf.function(lambda t: ops.top_k_abs(t, k)), x),
+        f"top_k_abs (k = {FLAGS.topk_ratio:g} n), stock TF": (tf.function(lambda t: stock_top_k(t, k)), x),
+    }
+    return {name: n * 4 / median_seconds(fn, *args) / 1e9 for name, (fn, *args) in cases.items()}
+
+
+def main(_):
+    sizes = [parse_size(s) for s in FLAGS.sizes]
+    threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+    results = {"threads": threads, "gb_per_s": {}}
+    for text, n in zip(FLAGS.sizes, sizes):
+        results["gb_per_s"][text] = measure(n)
+        print(f"measured {text} floats", flush=True)
+    names = list(next(iter(results["gb_per_s"].values())))
+    print(f"\nGB/s of float32 input, median of {FLAGS.repeats}, {threads} CPU threads "
+          f"(TensorFlow {tf.__version__})\n")
+    print("| op | " + " | ".join(FLAGS.sizes) + " |")
+    print("|---|" + "---:|" * len(sizes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{results['gb_per_s'][s][name]:.2f}" for s in FLAGS.sizes) + " |")
+    print()
+    for s in FLAGS.sizes:
+        r = results["gb_per_s"][s]
+        copy = r["copy (DeepCopy)"]
+        print(f"{s}: pack {r['pack'] / copy:.0%} of copy, {r['pack'] / r['pack, stock TF']:.1f}x stock TF; "
+              f"unpack {r['unpack'] / copy:.0%} of copy, {r['unpack'] / r['unpack, stock TF']:.1f}x stock TF")
+    out = pathlib.Path(FLAGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,107 @@
+"""Compressor declarations: configuration errors, and the refusal of plain Horovod for stateful ones."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+from hvd_compress import exchange
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_single_rank():
+    hvd.init()  # a single-process job: enough to build Horovod's optimizer wrapper
+    yield
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: hc.Compression.onebit(block_size=0), "block_size"),
+    (lambda: hc.Compression.onebit(block_size=2.5), "block_size"),
+    (lambda: hc.Compression.topk(), "exactly one of ratio"),
+    (lambda: hc.Compression.topk(ratio=0.1, k=3), "exactly one of ratio"),
+    (lambda: hc.Compression.topk(ratio=1.5), "ratio must be"),
+    (lambda: hc.Compression.topk(ratio=0), "ratio must be"),
+    (lambda: hc.Compression.topk(k=0), "k must be a positive integer"),
+])
+def test_bad_configuration_is_refused_when_built(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_topk_sizes():
+    assert hc.Compression.topk(ratio=0.01).num_selected(1000) == 10
+    assert hc.Compression.topk(ratio=0.01).num_selected(30) == 1  # never zero
+    with pytest.raises(ValueError, match="larger than a tensor of 4 elements"):
+        hc.Compression.topk(k=5).num_selected(4)
+
+
+@pytest.mark.parametrize("compression", [hc.Compression.onebit(), hc.Compression.onebit,
+                                         hc.Compression.topk(ratio=0.01)])
+def test_stateful_compressor_in_plain_horovod_names_the_right_wrapper(compression):
+    import horovod.tensorflow.keras as hvd_keras
+
+    model = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                                           compression=compression), loss="mse")
+    with pytest.raises(TypeError, match=r"use hvd_compress\.DistributedOptimizer"):
+        model.train_on_batch(np.ones([4, 3]), np.ones([4, 1]))
+    with pytest.raises(TypeError, match=r"hvd_compress\.DistributedOptimizer"):
+        hvd.allreduce(tf.ones([4]), compression=compression)
+
+
+def test_sum_compatible_compressors_work_in_plain_horovod():
+    x = tf.constant([1.0, -2.5, 3.25])
+    for compression in (hc.Compression.none, hc.Compression.fp16, hc.Compression.fp16()):
+        np.testing.assert_array_equal(hvd.allreduce(x, compression=compression).numpy(), x.numpy())
+    # bfloat16 has no Horovod allreduce; fp16 carries it and casts back.
+    y = hvd.allreduce(tf.cast(x, tf.bfloat16), compression=hc.Compression.fp16)
+    assert y.dtype == tf.bfloat16
+    np.testing.assert_array_equal(y.numpy().astype(np.float32), x.numpy())
+
+
+def test_onebit_round_trip_and_payload_size():
+    onebit = hc.Compression.onebit(block_size=4)
+    x = tf.constant([1.0, -3.0, 2.0, 2.0, -1.0, -1.0])
+    bounds = onebit.bounds(6)
+    payload = onebit.encode(x, bounds)
+    np.testing.assert_allclose(onebit.decode(payload, bounds).numpy(), [2, -2, 2, 2, -1, -1])
+    assert onebit.payload_bytes(6, 2) == sum(int(tf.size(p)) * p.dtype.size for p in payload)
+
+
+def test_topk_round_trip_and_payload_size():
+    topk = hc.Compression.topk(k=2)
+    x = tf.constant([0.5, -4.0, 0.0, 3.0, 1.0])
+    payload = topk.encode(x, topk.num_selected(5))
+    np.testing.assert_array_equal(topk.decode(payload, 5).numpy(), [0, -4, 0, 3, 0])
+    assert topk.payload_bytes(2) == sum(int(tf.size(p)) * p.dtype.size for p in payload)
+
+
+def test_ring_and_allgather_byte_models():
+    assert exchange.allreduce_bytes(1000, 1) == 0
+    assert exchange.allreduce_bytes(1000, 2) == 1000
+    assert exchange.allreduce_bytes(1000, 4) == 1500
+    assert exchange.allgather_bytes(100, 4) == 300
+
+
+def test_keras_3_is_refused_with_instructions():
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="0", TF_CPP_MIN_LOG_LEVEL="3")
+    code = "import hvd_compress; hvd_compress.require_legacy_keras()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "Keras 3" in result.stderr and "TF_USE_LEGACY_KERAS=1" in result.stderr
+
+
+def test_importing_the_package_selects_keras_2_for_the_user():
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    code = ("import os; os.environ.pop('TF_USE_LEGACY_KERAS', None)\n"  # undo the venv's .pth
+            "import tensorflow as tf, hvd_compress; print(tf.keras.__name__); "
+            "hvd_compress.require_legacy_keras()")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("tf_keras")
