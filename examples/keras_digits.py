@@ -1,29 +1,38 @@
 """Data-parallel Keras training on the bundled digits with a chosen compression.
 
-    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_digits.py --compression fp16
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_digits.py --compression onebit
 
 Prints the test accuracy and the bytes each worker sent per step.
 """
 import hvd_compress as hc  # first: selects Keras 2 for tf.keras
 
-import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
 import horovod.tensorflow.keras as hvd
-from hvd_compress import exchange
 
 import digits
 
-flags.DEFINE_enum("compression", "none", ["none", "fp16"], "Gradient compression.")
+flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk"],
+                  "Gradient compression.")
+flags.DEFINE_bool("two_way", True, "onebit: compress the averaged update again on a sharded server.")
+flags.DEFINE_integer("block_size", None, "onebit: elements per scale (default: one block per tensor).")
+flags.DEFINE_float("ratio", 0.01, "topk/randomk: fraction of each bucket sent.")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
 flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights and shuffling.")
 FLAGS = flags.FLAGS
 
-COMPRESSORS = {"none": hc.Compression.none, "fp16": hc.Compression.fp16}
-WIRE_BYTES = {"none": 4, "fp16": 2}
+
+def compression_from_flags():
+    return {
+        "none": lambda: hc.Compression.none,
+        "fp16": lambda: hc.Compression.fp16,
+        "onebit": lambda: hc.Compression.onebit(block_size=FLAGS.block_size),
+        "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
+        "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio, seed=FLAGS.seed),
+    }[FLAGS.compression]()
 
 
 def main(_):
@@ -34,24 +43,25 @@ def main(_):
     train, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), FLAGS.batch_size, FLAGS.seed)
 
     model = digits.cnn(keras, FLAGS.seed)
-    optimizer = hvd.DistributedOptimizer(
+    optimizer = hc.DistributedOptimizer(
         keras.optimizers.SGD(FLAGS.lr * hvd.size(), momentum=0.9, nesterov=True),
-        compression=COMPRESSORS[FLAGS.compression])
+        compression=compression_from_flags(), two_way=FLAGS.two_way)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hc.callbacks.CompressionMetrics()],
               verbose=2 if hvd.rank() == 0 else 0)
 
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    per_step = exchange.allreduce_bytes(params * WIRE_BYTES[FLAGS.compression], hvd.size())
+    exchange = optimizer.compression_exchange
     if hvd.rank() == 0:
-        print(f"compression={FLAGS.compression} ranks={hvd.size()} test_accuracy={accuracy:.4f} "
-              f"bytes_per_step={per_step:.0f} (fp32 allreduce: "
-              f"{exchange.allreduce_bytes(params * 4, hvd.size()):.0f}) "
-              f"total_MB={per_step * steps * FLAGS.epochs / 1e6:.2f} params={params}")
+        print(f"compression={FLAGS.compression} two_way={FLAGS.two_way} ranks={hvd.size()} "
+              f"test_accuracy={accuracy:.4f} bytes_per_step={exchange.bytes_sent:.0f} "
+              f"fp32_allreduce_bytes_per_step={exchange.uncompressed_bytes:.0f} "
+              f"ratio={exchange.uncompressed_bytes / exchange.bytes_sent:.1f}x "
+              f"total_MB={exchange.bytes_sent * steps * FLAGS.epochs / 1e6:.3f}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ class Compressor(hvd_compression.Compressor):
 class NoneCompressor(hvd_compression.NoneCompressor, Compressor):
     """No compression: gradients travel at their own precision."""
 
+    @staticmethod
+    def wire_bytes(dtype):
+        """Bytes one element of this dtype takes on the wire."""
+        return tf.as_dtype(dtype).size
+
 
 class FP16Compressor(hvd_compression.FP16Compressor, Compressor):
     """Floating-point gradients travel as float16 and are cast back after the sum.
@@ -40,6 +45,11 @@ class FP16Compressor(hvd_compression.FP16Compressor, Compressor):
     bfloat16): exact for their 8 significant bits, but values beyond float16's
     range (|x| > 65504) become Inf.
     """
+
+    @staticmethod
+    def wire_bytes(dtype):
+        """Bytes one element of this dtype takes on the wire."""
+        return 2 if tf.as_dtype(dtype).is_floating else tf.as_dtype(dtype).size
 
 
 class StatefulCompressor(Compressor):
@@ -155,6 +165,38 @@ class TopKCompressor(StatefulCompressor):
         return k * (element_bytes + 4)
 
 
+class RandomKCompressor(TopKCompressor):
+    """Random-k sparsification with residuals (Stich, Cordonnier, Jaggi, NeurIPS 2018).
+
+    a = g + e; every rank draws the same k coordinates from a seed shared by
+    all ranks and the step number (stateless, so nothing is stored or sent),
+    so only the k values travel, summed by a plain allreduce; e = a - sent.
+    """
+
+    collective = "allreduce of shared coordinates"
+
+    def __init__(self, ratio=None, k=None, seed=0):
+        super().__init__(ratio=ratio, k=k)
+        self.seed = int(seed)
+
+    def __repr__(self):
+        return f"Compression.randomk(ratio={self.ratio}, k={self.k}, seed={self.seed})"
+
+    def indices(self, num_elements, k, step, salt):
+        """k distinct coordinates of [0, num_elements), the same on every rank for a step."""
+        seed = tf.stack([tf.constant(self.seed * (1 << 20) + salt, tf.int64), tf.cast(step, tf.int64)])
+        return tf.cast(tf.random.experimental.index_shuffle(
+            tf.range(k, dtype=tf.int64), seed, num_elements - 1), tf.int32)
+
+    def encode(self, flat, indices):
+        return tf.gather(flat, indices), indices
+
+    @staticmethod
+    def payload_bytes(k, element_bytes=4):
+        """Bytes of one payload: k float32 values plus one non-finite marker."""
+        return (k + 1) * element_bytes
+
+
 class Compression:
     """The compressors, by name (like horovod.tensorflow.Compression)."""
 
@@ -162,3 +204,4 @@ class Compression:
     fp16 = FP16Compressor
     onebit = OneBitCompressor
     topk = TopKCompressor
+    randomk = RandomKCompressor

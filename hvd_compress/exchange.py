@@ -1,10 +1,23 @@
-"""How payloads travel between ranks, and the bytes each way costs.
+"""How payloads travel between ranks, and the bytes that costs.
 
-Byte accounting is per worker per step, counting what a worker sends (the
-same as it receives for these symmetric collectives), for the algorithms
-Horovod's CPU back ends run: ring allreduce, and allgather in which every
-worker sends its payload to each of the n - 1 others.
+Each exchange is pure: tensors in, tensors out, no state (the optimizer owns
+residuals and passes them in). Each knows, from the static layout, the bytes
+one worker sends per step (`bytes_sent`), counted for the algorithms Horovod's
+CPU back ends run:
+- allreduce: ring (reduce-scatter + allgather), 2 (n-1)/n of the payload;
+- allgather: a worker's payload reaches the n - 1 others;
+- alltoall: a worker sends every shard but its own.
+A worker receives as many bytes as it sends in all of these.
+
+Every compressed payload carries non-finite values through: a NaN or Inf in
+any rank's input makes the affected part of everybody's update non-finite
+(the sign scales and the top-k selection do this by construction; random-k
+adds a one-float "poison" sum), so no rank silently applies a finite update.
 """
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
 
 
 def allreduce_bytes(payload_bytes, size):
@@ -15,3 +28,167 @@ def allreduce_bytes(payload_bytes, size):
 def allgather_bytes(payload_bytes, size):
     """Allgather: each worker's payload reaches the n - 1 others."""
     return (size - 1) * payload_bytes if size > 1 else 0.0
+
+
+def _as_bytes(tensor):
+    """Any tensor as a flat uint8 view (for fusing payloads of several dtypes)."""
+    return tf.reshape(tf.bitcast(tensor, tf.uint8), [-1]) if tensor.dtype != tf.uint8 else tensor
+
+
+def _from_bytes(flat_bytes, dtype, count):
+    """Inverse of _as_bytes for `count` elements of dtype."""
+    if dtype == tf.uint8:
+        return tf.reshape(flat_bytes, [count])
+    return tf.reshape(tf.bitcast(tf.reshape(flat_bytes, [count, dtype.size]), dtype), [count])
+
+
+def poison(x):
+    """0.0 when x is all finite, else NaN: added to an update, it spreads a non-finite input."""
+    return tf.reduce_sum(x * 0.0)
+
+
+class DenseAllreduce:
+    """Tensors that are not compressed, fused into one grouped allreduce (Horovod's own
+    path), optionally through a sum-compatible Horovod compressor (none, fp16)."""
+
+    def __init__(self, variables, compression, size, process_set, op, gradient_predivide_factor, name):
+        self.compression, self.size, self.process_set, self.op = compression, size, process_set, op
+        self.predivide, self.name = gradient_predivide_factor, name
+        payload = sum(v.shape.num_elements() * compression.wire_bytes(v.dtype) for v in variables)
+        self.bytes_sent = allreduce_bytes(payload, size)
+
+    def __call__(self, tensors):
+        if not tensors:
+            return []
+        return hvd.grouped_allreduce(
+            list(tensors), op=self.op, compression=self.compression,
+            prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide,
+            process_set=self.process_set, name=self.name)
+
+
+class SignAllgather:
+    """One-way dist-EF-SGD: every worker's packed update is allgathered, all decode the mean."""
+
+    def __init__(self, compressor, bounds, size, process_set, name):
+        self.compressor, self.bounds, self.size = compressor, bounds, size
+        self.process_set, self.name = process_set, name
+        n = int(bounds[-1])
+        self.num_blocks = len(bounds) - 1
+        self.num_bytes = (n + 7) // 8
+        self.bytes_sent = allgather_bytes(compressor.payload_bytes(n, self.num_blocks), size)
+
+    def __call__(self, flat):
+        bounds = tf.constant(self.bounds)
+        bits, scales = self.compressor.encode(flat, bounds)
+        sent = self.compressor.decode((bits, scales), bounds)
+        gathered = hvd.allgather(tf.concat([bits, _as_bytes(scales)], 0),
+                                 process_set=self.process_set, name=self.name)
+        gathered = tf.reshape(gathered, [self.size, self.num_bytes + 4 * self.num_blocks])
+        all_bits = gathered[:, :self.num_bytes]
+        all_scales = tf.reshape(tf.bitcast(tf.reshape(gathered[:, self.num_bytes:],
+                                                      [self.size, self.num_blocks, 4]), tf.float32),
+                                [self.size, self.num_blocks])
+        return sent, self.compressor.decode_mean((all_bits, all_scales), bounds)
+
+
+class SignTwoWay:
+    """Two-way dist-EF-SGD over a sharded server (alltoall + allgather).
+
+    The flat update of d elements is cut into `size` shards at multiples of 8
+    (so each owns whole bytes of the packed signs; the shard cuts are also
+    block cuts). Worker i packs its whole update; an alltoall sends shard j of
+    every worker to rank j; rank j averages them, adds its server residual
+    e_s, recompresses: D_j = C(A_j), e_s = A_j - D_j; an allgather returns
+    every D_j to every rank, which decode the same update D.
+    """
+
+    def __init__(self, compressor, bounds, shard_cuts, rank, size, process_set, name):
+        self.compressor, self.bounds, self.rank, self.size = compressor, bounds, rank, size
+        self.process_set, self.name = process_set, name
+        # For each shard: its element range, block range and payload byte length.
+        self.shards = []
+        for j in range(size):
+            lo, hi = int(shard_cuts[j]), int(shard_cuts[j + 1])
+            first, last = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
+            num_bytes = (hi + 7) // 8 - lo // 8
+            self.shards.append(dict(lo=lo, hi=hi, first_block=int(first), last_block=int(last),
+                                    num_bytes=num_bytes, payload=num_bytes + 4 * int(last - first)))
+        mine = self.shards[rank]
+        self.server_size = mine["hi"] - mine["lo"]
+        self.server_bounds = bounds[mine["first_block"]:mine["last_block"] + 1] - mine["lo"]
+        total = sum(s["payload"] for s in self.shards)
+        # alltoall: all but my own shard; allgather: my shard to the n - 1 others.
+        self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], size)
+
+    def _shard_payloads(self, bits, scales):
+        return [tf.concat([bits[s["lo"] // 8:s["lo"] // 8 + s["num_bytes"]],
+                           _as_bytes(scales[s["first_block"]:s["last_block"]])], 0)
+                for s in self.shards]
+
+    def __call__(self, flat, server_residual):
+        """Returns (what this worker sent, the update D, the new server residual)."""
+        bounds = tf.constant(self.bounds)
+        bits, scales = self.compressor.encode(flat, bounds)
+        sent = self.compressor.decode((bits, scales), bounds)
+        payloads = self._shard_payloads(bits, scales)
+        received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
+                                   process_set=self.process_set, name=self.name + ".alltoall")
+        mine = self.shards[self.rank]
+        received = tf.reshape(received, [self.size, mine["payload"]])
+        num_blocks = mine["last_block"] - mine["first_block"]
+        shard_bits = received[:, :mine["num_bytes"]]
+        shard_scales = tf.reshape(tf.bitcast(tf.reshape(received[:, mine["num_bytes"]:],
+                                                        [self.size, num_blocks, 4]), tf.float32),
+                                  [self.size, num_blocks])
+        server_bounds = tf.constant(self.server_bounds)
+        averaged = self.compressor.decode_mean((shard_bits, shard_scales), server_bounds)
+        server_input = averaged + server_residual
+        server_bits, server_scales = self.compressor.encode(server_input, server_bounds)
+        server_sent = self.compressor.decode((server_bits, server_scales), server_bounds)
+        gathered = hvd.allgather(tf.concat([server_bits, _as_bytes(server_scales)], 0),
+                                 process_set=self.process_set, name=self.name + ".allgather")
+        all_bits, all_scales, offset = [], [], 0
+        for s in self.shards:
+            all_bits.append(gathered[offset:offset + s["num_bytes"]])
+            all_scales.append(_from_bytes(gathered[offset + s["num_bytes"]:offset + s["payload"]],
+                                          tf.float32, s["last_block"] - s["first_block"]))
+            offset += s["payload"]
+        update = self.compressor.decode((tf.concat(all_bits, 0), tf.concat(all_scales, 0)), bounds)
+        return sent, update, server_input - server_sent
+
+
+class SparseAllgather:
+    """Top-k: (values, int32 indices) of every worker allgathered, summed densely, averaged."""
+
+    def __init__(self, compressor, num_elements, k, size, process_set, name):
+        self.compressor, self.n, self.k, self.size = compressor, num_elements, k, size
+        self.process_set, self.name = process_set, name
+        self.bytes_sent = allgather_bytes(compressor.payload_bytes(k), size)
+
+    def __call__(self, flat):
+        values, indices = self.compressor.encode(flat, self.k)
+        sent = self.compressor.decode((values, indices), self.n)
+        gathered = hvd.allgather(tf.concat([values, tf.bitcast(indices, tf.float32)], 0),
+                                 process_set=self.process_set, name=self.name)
+        gathered = tf.reshape(gathered, [self.size, 2, self.k])
+        total = self.compressor.decode((gathered[:, 0], tf.bitcast(gathered[:, 1], tf.int32)), self.n)
+        return sent, total / self.size
+
+
+class SharedRandomAllreduce:
+    """Random-k: every rank draws the same k coordinates (stateless, from seed and step),
+    so only values travel, summed by a plain allreduce."""
+
+    def __init__(self, compressor, num_elements, k, size, process_set, name):
+        self.compressor, self.n, self.k, self.size = compressor, num_elements, k, size
+        self.process_set, self.name = process_set, name
+        self.bytes_sent = allreduce_bytes(compressor.payload_bytes(k), size)
+
+    def __call__(self, flat, step, salt):
+        indices = self.compressor.indices(self.n, self.k, step, salt)
+        values = tf.gather(flat, indices)
+        sent = self.compressor.decode((values, indices), self.n)
+        summed = hvd.allreduce(tf.concat([values, [poison(flat)]], 0), op=hvd.Sum,
+                               process_set=self.process_set, name=self.name)
+        update = self.compressor.decode((summed[:-1], indices), self.n) / self.size
+        return sent, update + summed[-1]

@@ -75,32 +75,40 @@ def check_block_size(block_size):
     return int(block_size)
 
 
-def block_bounds(sizes, block_size=None):
-    """Block boundaries for a flat buffer.
+def layout_bounds(sizes, block_size=None):
+    """Block boundaries (NumPy int64 [B + 1]) of tensors of these sizes fused in order.
 
-    sizes: the number of elements n (a Python int or a scalar tensor), or a
-      list of the sizes of the tensors fused into one buffer, in order.
-    block_size: None for one block per tensor, else each tensor is cut into
-      blocks of block_size elements (the last one may be shorter).
-    Returns int64 [B + 1]: a constant when sizes are Python ints.
+    block_size=None gives one block per tensor, else each tensor is cut into
+    blocks of block_size elements (its last block may be shorter). Zero-size
+    tensors have no blocks.
     """
     block_size = check_block_size(block_size)
-    if tf.is_tensor(sizes):
-        n = tf.cast(sizes, tf.int64)
-        if block_size is None:
-            starts = tf.zeros([tf.minimum(n, 1)], tf.int64)
-        else:
-            starts = tf.range(0, n, block_size, dtype=tf.int64)
-        return tf.concat([starts, tf.reshape(n, [1])], axis=0)
     sizes = [int(sizes)] if np.ndim(sizes) == 0 else [int(s) for s in sizes]
     if any(s < 0 for s in sizes):
         raise ValueError(f"sizes must be non-negative, got {sizes}.")
     starts, offset = [], 0
     for size in sizes:
-        step = size if block_size is None else block_size
-        starts.extend(range(offset, offset + size, max(step, 1)))
+        starts.extend(range(offset, offset + size, size if block_size is None else block_size))
         offset += size
-    return tf.constant(np.array(starts + [offset], dtype=np.int64))
+    return np.array(starts + [offset], dtype=np.int64)
+
+
+def block_bounds(sizes, block_size=None):
+    """Block boundaries as an int64 tensor [B + 1].
+
+    sizes: the number of elements n (a Python int or a scalar tensor), or a
+      list of the sizes of the tensors fused into one buffer (see layout_bounds).
+    block_size: None for one block per tensor, else blocks of block_size elements.
+    """
+    if not tf.is_tensor(sizes):
+        return tf.constant(layout_bounds(sizes, block_size))
+    block_size = check_block_size(block_size)
+    n = tf.cast(sizes, tf.int64)
+    if block_size is None:
+        starts = tf.zeros([tf.minimum(n, 1)], tf.int64)
+    else:
+        starts = tf.range(0, n, block_size, dtype=tf.int64)
+    return tf.concat([starts, tf.reshape(n, [1])], axis=0)
 
 
 def _bounds(n, block_size, bounds):

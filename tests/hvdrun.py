@@ -26,7 +26,8 @@ def worker_env(extra=None):
     """Environment for ranks: one TF thread each (ranks share the machine's cores)."""
     env = dict(os.environ)
     env.update({
-        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent / "examples"), str(TESTS.parent),
+                                     env.get("PYTHONPATH", "")]),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "TF_NUM_INTRAOP_THREADS": "1",
         "TF_NUM_INTEROP_THREADS": "1",

@@ -70,3 +70,62 @@ def scatter_dense(indices, values, n, dtype=np.float32):
     acc = np.zeros(n, np.float32)
     np.add.at(acc, np.asarray(indices).reshape(-1), np.asarray(values).reshape(-1).astype(np.float32))
     return acc.astype(dtype)
+
+
+def shard_cuts(d, n):
+    shard = -(-d // (n * 8)) * 8
+    return np.array([min(j * shard, d) for j in range(n + 1)], np.int64)
+
+
+def keras_sgd(x, m, g, lr, mu, nesterov):
+    """tf_keras SGD's update_step (float32), in place on x and m."""
+    g = g.astype(np.float32)
+    m[:] = -g * np.float32(lr) + m * np.float32(mu)
+    x += (-g * np.float32(lr) + m * np.float32(mu)) if nesterov else m
+
+
+def compress(a, bounds):
+    bits, scales = pack(a, bounds)
+    return (bits, scales), unpack(bits, scales, bounds)
+
+
+class DistEFSGD:
+    """dist-EF-SGD (shared/DESIGN.md) for n simulated workers on one flat tensor of d elements."""
+
+    def __init__(self, d, n, mu, nesterov, block_size=None, two_way=True):
+        self.n, self.mu, self.nesterov, self.two_way = n, np.float32(mu), nesterov, two_way
+        self.bounds = block_bounds(d, block_size)
+        if two_way:
+            self.cuts = shard_cuts(d, n)
+            self.bounds = np.union1d(self.bounds, self.cuts)
+        self.m = [np.zeros(d, np.float32) for _ in range(n)]
+        self.e = [np.zeros(d, np.float32) for _ in range(n)]
+        self.e_server = np.zeros(d, np.float32)
+
+    def step(self, x, grads, lr):
+        payloads = []
+        for i, g in enumerate(grads):
+            self.m[i] = self.mu * self.m[i] + g
+            p = self.mu * self.m[i] + g if self.nesterov else self.m[i]
+            a = np.float32(lr) * p + self.e[i]
+            payload, sent = compress(a, self.bounds)
+            self.e[i] = a - sent
+            payloads.append(payload)
+        if not self.two_way:
+            x -= unpack_mean([p[0] for p in payloads], [p[1] for p in payloads], self.bounds)
+            return
+        update = np.empty_like(x)
+        for j in range(self.n):
+            lo, hi = self.cuts[j], self.cuts[j + 1]
+            if lo == hi:
+                continue
+            first, last = np.searchsorted(self.bounds, lo), np.searchsorted(self.bounds, hi)
+            local = self.bounds[first:last + 1] - lo
+            shard_bits = [np.unpackbits(b, bitorder="little")[lo:hi] for b, _ in payloads]
+            averaged = unpack_mean([np.packbits(b, bitorder="little") for b in shard_bits],
+                                   [s[first:last] for _, s in payloads], local)
+            server_input = averaged + self.e_server[lo:hi]
+            _, server_sent = compress(server_input, local)
+            self.e_server[lo:hi] = server_input - server_sent
+            update[lo:hi] = server_sent
+        x -= update

@@ -1,0 +1,425 @@
+"""hvd_compress.DistributedOptimizer: compressed gradient exchange with error feedback.
+
+A drop-in for `horovod.tensorflow.keras.DistributedOptimizer` (same keyword
+arguments) for tf_keras optimizers, in `model.fit` and in custom loops.
+
+Layout. At the first step the trainable variables are split into
+- compressed: float tensors of at least `min_compress_size` elements, fused in
+  order into buckets of at most `fusion_threshold_bytes` (one payload and one
+  or two collectives per bucket per step);
+- dense: the rest (biases, integer tensors), averaged uncompressed by one
+  grouped allreduce, with the chosen Horovod compression (none/fp16).
+Every rank checks, before the first collective, that all ranks have the same
+compression settings and variables (a clear error instead of a hang).
+
+Update rules (all state in optimizer variables, so tf.train.Checkpoint and
+model.save keep it):
+- onebit under SGD (with or without momentum, Nesterov or not): dist-EF-SGD
+  (Zheng, Huang, Kwok, NeurIPS 2019).
+  Momentum moves in front of the compressor and the learning rate inside the
+  compressed quantity; SGD's own update is bypassed for compressed tensors:
+      m_i = mu m_i + g_i;   p_i = mu m_i + g_i (Nesterov) or m_i
+      a_i = lr_t p_i + e_i;  D_i = C(a_i);  e_i = a_i - D_i        (worker EF)
+      two-way:  A = mean_i D_i + e_s;  D = C(A);  e_s = A - D      (server EF)
+      one-way:  D = mean_i D_i
+      x = x - D
+  The residuals e_i and e_s hold learning-rate-scaled quantities: after a
+  learning-rate drop they still carry what was left over at the old rate,
+  as in the paper; nothing is rescaled.
+- Everything else (onebit under Adam etc., top-k, random-k): plain error
+  feedback on gradients, a_i = g_i + e_i, D_i = C(a_i), e_i = a_i - D_i, and
+  the mean D (server-compressed again for two-way onebit) is handed to the
+  wrapped optimizer as the gradient, which applies its own momentum.
+  Top-k sends (values, int32 indices) by allgather; random-k sends values at
+  coordinates every rank draws alike, by allreduce. Both select over a whole
+  bucket (global top-k within a bucket, not per layer).
+"""
+import hashlib
+import math
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_compress import exchange, ops
+from hvd_compress.compression import (Compression, OneBitCompressor, RandomKCompressor,
+                                      StatefulCompressor, TopKCompressor)
+from hvd_compress.keras_compat import require_legacy_keras
+
+DEFAULT_MIN_COMPRESS_SIZE = 1024
+DEFAULT_FUSION_THRESHOLD_BYTES = 64 << 20
+
+
+class Layout:
+    """Which variables are compressed, how they are fused into buckets, and the dense rest."""
+
+    def __init__(self, variables, compression, min_compress_size, fusion_threshold_bytes):
+        self.shapes = [tuple(v.shape.as_list()) for v in variables]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.compressed, self.dense, self.empty = [], [], []
+        for i, (v, size) in enumerate(zip(variables, self.sizes)):
+            if size == 0:
+                self.empty.append(i)
+            elif compression.requires_optimizer and v.dtype.is_floating and size >= min_compress_size:
+                self.compressed.append(i)
+            else:
+                self.dense.append(i)
+        self.buckets, current, current_bytes = [], [], 0
+        for i in self.compressed:
+            nbytes = self.sizes[i] * 4
+            if current and current_bytes + nbytes > fusion_threshold_bytes:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(i)
+            current_bytes += nbytes
+        if current:
+            self.buckets.append(current)
+
+    def bucket_size(self, bucket):
+        return sum(self.sizes[i] for i in bucket)
+
+
+def shard_cuts(num_elements, size):
+    """Cuts [0, ..., d] of d elements into `size` shards at multiples of 8 (some may be empty)."""
+    shard = math.ceil(num_elements / size / 8) * 8
+    return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
+
+
+class GradientExchange:
+    """The compressed exchange with error feedback, for one fixed list of variables.
+
+    It plans the layout, creates its state through the two factories it is
+    given (optimizer slots for the optimizer, plain variables for the tape)
+    and, each step, turns local gradients into either averaged gradients or,
+    for dist-EF-SGD, the parameter deltas D (`direct_update`).
+    """
+
+    def __init__(self, compression, two_way, process_set, op, gradient_predivide_factor,
+                 sparse_as_dense, min_compress_size, fusion_threshold_bytes, name):
+        self.compression, self.two_way, self.process_set = compression, two_way, process_set
+        self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
+        self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
+        self.name = name
+        self.built = False
+
+    # -- planning and state -------------------------------------------------------------
+    def build(self, variables, new_slot, new_variable, direct_update):
+        """Plans the layout and creates the state; direct_update selects dist-EF-SGD's rule."""
+        if self.built:
+            return
+        self.variables = list(variables)
+        self.direct_update = direct_update
+        self.layout = Layout(self.variables, self.compression, self.min_compress_size,
+                             self.fusion_threshold_bytes)
+        size, rank = self.process_set.size(), self.process_set.rank()
+        # Plan every exchange first: a bad size is refused before any collective runs.
+        self.exchanges, server_sizes = [], []
+        for b, bucket in enumerate(self.layout.buckets):
+            n = self.layout.bucket_size(bucket)
+            name = f"{self.name}.bucket{b}"
+            c = self.compression
+            if isinstance(c, OneBitCompressor):
+                bounds = ops.layout_bounds([self.layout.sizes[i] for i in bucket], c.block_size)
+                if self.two_way:
+                    cuts = shard_cuts(n, size)
+                    ex = exchange.SignTwoWay(c, np.union1d(bounds, cuts), cuts, rank, size,
+                                             self.process_set, name)
+                    server_sizes.append(ex.server_size)
+                else:
+                    ex = exchange.SignAllgather(c, bounds, size, self.process_set, name)
+            elif isinstance(c, RandomKCompressor):
+                ex = exchange.SharedRandomAllreduce(c, n, c.num_selected(n), size, self.process_set, name)
+            elif isinstance(c, TopKCompressor):
+                ex = exchange.SparseAllgather(c, n, c.num_selected(n), size, self.process_set, name)
+            else:
+                raise TypeError(f"{c!r} is not supported by hvd_compress.DistributedOptimizer yet.")
+            self.exchanges.append(ex)
+        self._check_ranks_agree()
+        self.residuals = {i: new_slot(self.variables[i], "residual") for i in self.layout.compressed}
+        self.momenta = ({i: new_slot(self.variables[i], "momentum") for i in self.layout.compressed}
+                        if direct_update else {})
+        self.server_residuals = [new_variable([n], f"server_residual_{b}")
+                                 for b, n in enumerate(server_sizes)]
+        dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
+        self.dense_exchange = exchange.DenseAllreduce(
+            [self.variables[i] for i in self.layout.dense], dense_compression, size,
+            self.process_set, self.op, self.predivide, f"{self.name}.dense")
+        self.built = True
+
+    def _check_ranks_agree(self):
+        """Allgathers a fingerprint of the settings; every rank raises the same error on a mismatch."""
+        settings = (f"{self.compression!r} two_way={self.two_way} op={self.op} "
+                    f"min_compress_size={self.min_compress_size} "
+                    f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
+                    f"direct_update={self.direct_update} "
+                    f"variables={[(s, v.dtype.name) for s, v in zip(self.layout.shapes, self.variables)]}")
+        fingerprint = hashlib.sha256(settings.encode()).hexdigest()[:16]
+        everyone = hvd.allgather_object((fingerprint, settings), process_set=self.process_set,
+                                        name=f"{self.name}.settings")
+        if len({f for f, _ in everyone}) > 1:
+            lines = "\n".join(f"  rank {r}: {s[:300]}" for r, (_, s) in enumerate(everyone))
+            raise ValueError("hvd_compress: the ranks were started with different compression settings "
+                             "or models, so their collectives would not match. Start every rank with "
+                             f"the same arguments. Settings per rank:\n{lines}")
+
+    @property
+    def bytes_sent(self):
+        """Bytes one worker sends per step (it receives as many)."""
+        return sum(ex.bytes_sent for ex in self.exchanges) + self.dense_exchange.bytes_sent
+
+    @property
+    def uncompressed_bytes(self):
+        """What Horovod's fp32 ring allreduce of every gradient would send per step."""
+        return exchange.allreduce_bytes(4 * sum(self.layout.sizes), self.process_set.size())
+
+    def residual_norm(self):
+        """Global norm of the worker residuals (and of this rank's server residuals)."""
+        tensors = list(self.residuals.values()) + list(self.server_residuals)
+        return tf.linalg.global_norm(tensors) if tensors else tf.constant(0.0)
+
+    # -- one step -----------------------------------------------------------------------
+    def prepare(self, grads):
+        """Checks and densifies the gradients (None -> zeros, IndexedSlices -> dense or error)."""
+        prepared = []
+        for g, v in zip(grads, self.variables):
+            if g is None:  # every rank sends the same layout; a missing gradient counts as zero
+                g = tf.zeros_like(v)
+            elif isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    raise ValueError(
+                        f"The gradient of {v.name} is sparse (tf.IndexedSlices, e.g. from an Embedding). "
+                        "hvd_compress.DistributedOptimizer exchanges dense buffers: pass "
+                        "sparse_as_dense=True to densify it.")
+                g = tf.convert_to_tensor(g)
+            if not g.dtype.is_floating:
+                raise TypeError(
+                    f"The gradient of {v.name} has dtype {g.dtype.name}; hvd_compress averages float "
+                    "gradients only. Make integer variables non-trainable.")
+            prepared.append(g)
+        return prepared
+
+    def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
+        """Returns one tensor per variable: a delta to subtract (compressed variables in
+        direct-update mode) or an averaged gradient (everything else)."""
+        grads = self.prepare(grads)
+        out = list(grads)
+        dense = self.dense_exchange([grads[i] for i in self.layout.dense])
+        for i, g in zip(self.layout.dense, dense):
+            out[i] = g
+        for b, (bucket, ex) in enumerate(zip(self.layout.buckets, self.exchanges)):
+            flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov), [-1])
+                              for i in bucket], 0)
+            if isinstance(ex, exchange.SignTwoWay):
+                sent, update, new_server_residual = ex(flat, self.server_residuals[b])
+                self.server_residuals[b].assign(new_server_residual)
+            elif isinstance(ex, exchange.SharedRandomAllreduce):
+                sent, update = ex(flat, step, salt=b)
+            else:
+                sent, update = ex(flat)
+            residual, offset = flat - sent, 0
+            if self.op == hvd.Sum:
+                update = update * self.process_set.size()
+            for i in bucket:
+                size, shape = self.layout.sizes[i], self.layout.shapes[i]
+                self.residuals[i].assign(tf.reshape(residual[offset:offset + size], shape))
+                out[i] = tf.reshape(update[offset:offset + size], shape)
+                offset += size
+        return out
+
+    def _error_fed(self, i, g, learning_rate, momentum, nesterov):
+        """a_i: lr * (Nesterov) momentum + e_i in direct-update mode, else g_i + e_i."""
+        g = tf.cast(g, tf.float32)
+        e = self.residuals[i]
+        if not self.direct_update:
+            return g + e
+        m = self.momenta[i]
+        m.assign(momentum * m + g)
+        p = momentum * m + g if nesterov else tf.identity(m)
+        return learning_rate * p + e
+
+
+def _check_arguments(compression, two_way, op, backward_passes_per_step, min_compress_size,
+                     fusion_threshold_bytes):
+    if isinstance(compression, type) and issubclass(compression, StatefulCompressor):
+        compression = compression()  # e.g. Compression.onebit passed uncalled: its defaults
+    if not hasattr(compression, "requires_optimizer"):
+        raise TypeError(f"compression must be one of hvd_compress.Compression (e.g. "
+                        f"Compression.onebit()), got {compression!r}.")
+    if not isinstance(two_way, bool):
+        raise TypeError(f"two_way must be True or False, got {two_way!r}.")
+    if compression.requires_optimizer and op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum with {compression!r}; Adasum and other "
+                         "reductions do not apply to compressed payloads.")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                         f"{backward_passes_per_step!r}.")
+    if not isinstance(min_compress_size, int) or min_compress_size < 1:
+        raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
+    if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
+        raise ValueError(f"fusion_threshold_bytes must be a positive integer, got "
+                         f"{fusion_threshold_bytes!r}.")
+    return compression
+
+
+class _DistributedOptimizerMixin:
+    """Methods mixed into a subclass of the user's optimizer class (as Horovod does)."""
+
+    def _hc_init(self, exchange_, backward_passes_per_step, average_aggregated_gradients):
+        self._hc_exchange = exchange_
+        self._hc_backward_passes = backward_passes_per_step
+        self._hc_average_aggregated = average_aggregated_gradients
+
+    @property
+    def compression_exchange(self):
+        """The GradientExchange (layout, bytes per step, residuals); built at the first step."""
+        return self._hc_exchange
+
+    def _hc_direct_update(self):
+        """dist-EF-SGD's rule (momentum in front, lr inside) for onebit under SGD."""
+        keras = require_legacy_keras()
+        return isinstance(self._hc_exchange.compression, OneBitCompressor) and isinstance(
+            self, keras.optimizers.SGD)
+
+    def build(self, var_list):
+        super().build(var_list)
+        if self._hc_exchange.built:
+            return
+        var_list = list(var_list)
+        self._hc_exchange.build(
+            var_list,
+            new_slot=lambda v, name: self.add_variable_from_reference(v, f"hc_{name}"),
+            new_variable=lambda shape, name: self.add_variable(shape, tf.float32, name=f"hc_{name}"),
+            direct_update=self._hc_direct_update())
+        if self._hc_backward_passes > 1:
+            self._hc_accumulated = [self.add_variable_from_reference(v, "hc_accumulated") for v in var_list]
+            self._hc_passes = self.add_variable([], tf.int64, name="hc_passes")
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        if skip_gradients_aggregation or not kwargs.pop("experimental_aggregate_gradients", True):
+            return super().apply_gradients(grads_and_vars, name=name, skip_gradients_aggregation=True)
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        with tf.init_scope():
+            self.build(variables)
+        if [id(v) for v in variables] != [id(v) for v in self._hc_exchange.variables]:
+            raise ValueError("hvd_compress.DistributedOptimizer plans its layout for the variables of "
+                             "the first step and needs the same variables, in the same order, at every "
+                             "step. Use one optimizer per set of variables.")
+        if self._hc_backward_passes == 1:
+            return self._hc_apply(grads, variables, name)
+        return self._hc_apply_every_k_passes(grads, variables, name)
+
+    def _hc_apply_every_k_passes(self, grads, variables, name):
+        """Accumulates gradients locally; exchanges and applies them every k-th pass."""
+        grads = self._hc_exchange.prepare(grads)
+        for acc, g in zip(self._hc_accumulated, grads):
+            acc.assign_add(tf.cast(g, acc.dtype))
+        passes = self._hc_passes.assign_add(1)
+        k = self._hc_backward_passes
+
+        def apply():
+            scale = 1.0 / k if self._hc_average_aggregated else 1.0
+            self._hc_apply([acc * scale for acc in self._hc_accumulated], variables, name)
+            for acc in self._hc_accumulated:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        tf.cond(tf.equal(passes % k, 0), apply, lambda: tf.constant(False))
+        return self.iterations
+
+    def _hc_apply(self, grads, variables, name):
+        self._compute_current_learning_rate()
+        direct = self._hc_exchange.direct_update
+        if direct:
+            grads = list(self._clip_gradients(self._hc_exchange.prepare(grads)))
+        results = self._hc_exchange(
+            grads, learning_rate=tf.cast(self.learning_rate, tf.float32) if direct else None,
+            momentum=float(getattr(self, "momentum", 0.0)), nesterov=bool(getattr(self, "nesterov", False)),
+            step=self.iterations)
+        compressed = set(self._hc_exchange.layout.compressed) if direct else set()
+        deltas = [(r, v) for i, (r, v) in enumerate(zip(results, variables)) if i in compressed]
+        passed_on = [(r, v) for i, (r, v) in enumerate(zip(results, variables)) if i not in compressed]
+        if deltas:
+            self._apply_weight_decay([v for _, v in deltas])
+            for delta, v in deltas:
+                v.assign_sub(tf.cast(delta, v.dtype))
+                if v.constraint is not None:
+                    v.assign(v.constraint(v))
+        if passed_on:
+            return super().apply_gradients(passed_on, name=name, skip_gradients_aggregation=True)
+        return self.iterations.assign_add(1)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=hvd.Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=hvd.global_process_set, scale_local_gradients=True,
+                         two_way=True, min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
+                         fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES):
+    """Wraps a tf_keras optimizer so gradients are averaged across ranks, compressed.
+
+    Takes Horovod's keyword arguments (device_dense, device_sparse, num_groups,
+    groups and scale_local_gradients are accepted for compatibility; the
+    layout here is fixed by `fusion_threshold_bytes`) plus:
+      compression: a `hvd_compress.Compression` (none, fp16, onebit(), topk(),
+        randomk()).
+      two_way: onebit only; True compresses the averaged update again on a
+        sharded server with its own error feedback (the paper's method),
+        False allgathers every worker's update.
+      min_compress_size: tensors with fewer elements travel uncompressed.
+      fusion_threshold_bytes: the largest compressed bucket.
+    Returns an instance of a subclass of the optimizer's class, built from its
+    config (so its name and saved config are the original's).
+    """
+    keras = require_legacy_keras()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a tf_keras optimizer (tf.keras.optimizers.*), got "
+                        f"{type(optimizer).__name__}. Legacy (tf.keras.optimizers.legacy) and Keras 3 "
+                        "optimizers are not supported.")
+    compression = _check_arguments(compression, two_way, op, backward_passes_per_step,
+                                   min_compress_size, fusion_threshold_bytes)
+    if compression.requires_optimizer and getattr(optimizer, "use_ema", False):
+        raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._hc_init(
+        GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
+                         sparse_as_dense, min_compress_size, fusion_threshold_bytes,
+                         name=name or f"hc.{base.__name__}"),
+        backward_passes_per_step, average_aggregated_gradients)
+    return wrapped
+
+
+def load_model(filepath, compression=Compression.none, custom_optimizers=None, custom_objects=None,
+               **distributed_kwargs):
+    """Loads a Keras model saved with model.save and wraps its optimizer in DistributedOptimizer.
+
+    Like horovod.tensorflow.keras.load_model: the saved optimizer (any class in
+    tf.keras.optimizers, or one of custom_optimizers) is rebuilt as
+    hvd_compress.DistributedOptimizer(saved, compression=..., **distributed_kwargs),
+    and its saved variables, error-feedback state included, are restored.
+    Give the same compression settings the model was trained with.
+    """
+    keras = require_legacy_keras()
+
+    def wrap(cls):
+        return lambda **config: DistributedOptimizer(cls.from_config(config), compression=compression,
+                                                     **distributed_kwargs)
+
+    classes = list(keras.optimizers.Optimizer.__subclasses__()) + list(custom_optimizers or [])
+    objects = {cls.__name__: wrap(cls) for cls in classes}
+    objects.update({name.lower(): factory for name, factory in objects.items()})
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    variables = os.path.join(str(filepath), tf.saved_model.VARIABLES_DIRECTORY,
+                             tf.saved_model.VARIABLES_FILENAME)
+    if tf.io.gfile.exists(variables + ".index"):
+        # SavedModel format: Keras binds the saved optimizer state to its own restored optimizer,
+        # not to this new one, so restore it here; the slots created at the first step are
+        # filled in then (deferred restoration).
+        tf.train.Checkpoint(root=model).restore(variables).expect_partial()
+    return model

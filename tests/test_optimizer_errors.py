@@ -1,0 +1,105 @@
+"""hc.DistributedOptimizer's refusals and edge cases, in one process (Horovod with one rank)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+
+keras = hc.require_legacy_keras()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_single_rank():
+    hvd.init()
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(compression=hc.Compression.onebit(), two_way="yes"), TypeError, "two_way"),
+    (dict(compression="onebit"), TypeError, "hvd_compress.Compression"),
+    (dict(compression=hc.Compression.onebit(), op=hvd.Adasum), ValueError, "op must be"),
+    (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step"),
+    (dict(min_compress_size=0), ValueError, "min_compress_size"),
+])
+def test_bad_arguments_are_refused_before_training(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hc.DistributedOptimizer(sgd(), **kwargs)
+
+
+def test_legacy_optimizers_are_refused():
+    with pytest.raises(TypeError, match="tf_keras optimizer"):
+        hc.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1))
+
+
+def test_k_larger_than_the_tensor_is_refused_at_the_first_step():
+    w = tf.Variable(tf.ones([2000]))
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.topk(k=5000))
+    with pytest.raises(ValueError, match="larger than a tensor of 2000 elements"):
+        opt.apply_gradients([(tf.ones([2000]), w)])
+
+
+def test_none_zero_size_and_small_gradients():
+    big, small, empty = tf.Variable(tf.ones([3000])), tf.Variable(tf.ones([3])), tf.Variable(tf.ones([0, 4]))
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.onebit())
+    opt.apply_gradients([(None, big), (tf.ones([3]), small), (tf.ones([0, 4]), empty)])
+    layout = opt.compression_exchange.layout
+    assert (layout.compressed, layout.dense, layout.empty) == ([0], [1], [2])
+    np.testing.assert_array_equal(big.numpy(), 1.0)  # a None gradient counts as zero
+    np.testing.assert_allclose(small.numpy(), 0.9)
+
+
+def test_integer_gradients_are_refused():
+    w = tf.Variable(tf.ones([3000]))
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.onebit())
+    with pytest.raises(TypeError, match="dtype int32"):
+        opt.apply_gradients([(tf.ones([3000], tf.int32), w)])
+
+
+def test_sparse_gradients_need_sparse_as_dense():
+    embedding = keras.layers.Embedding(500, 8)
+    embedding.build((None,))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(embedding(tf.constant([1, 2, 3])))
+    grad = tape.gradient(loss, embedding.embeddings)
+    assert isinstance(grad, tf.IndexedSlices)
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.onebit())
+    with pytest.raises(ValueError, match="sparse_as_dense=True"):
+        opt.apply_gradients([(grad, embedding.embeddings)])
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.onebit(), sparse_as_dense=True)
+    opt.apply_gradients([(grad, embedding.embeddings)])
+    changed = np.flatnonzero(np.any(embedding.embeddings.numpy() != embedding.embeddings.numpy()[0], 1))
+    assert changed.size > 0
+
+
+def test_variables_must_not_change_between_steps():
+    a, b = tf.Variable(tf.ones([3000])), tf.Variable(tf.ones([3000]))
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.onebit())
+    opt.apply_gradients([(tf.ones([3000]), a)])
+    with pytest.raises(ValueError, match="same variables"):
+        opt.apply_gradients([(tf.ones([3000]), b)])
+
+
+def test_backward_passes_per_step_applies_every_k_passes():
+    w = tf.Variable(tf.zeros([3000]))
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hc.Compression.onebit(),
+                                  backward_passes_per_step=3, average_aggregated_gradients=True)
+    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
+    for value in (1.0, 2.0):
+        step(tf.fill([3000], value))
+        np.testing.assert_array_equal(w.numpy(), 0.0)
+        assert int(opt.iterations.numpy()) == 0
+    step(tf.fill([3000], 3.0))  # the mean of the three passes, 2.0, at lr 0.1, one bit per element
+    np.testing.assert_allclose(w.numpy(), -0.2, rtol=1e-6)
+    assert int(opt.iterations.numpy()) == 1
+
+
+def test_fp16_compression_bytes_and_result():
+    w = tf.Variable(tf.zeros([3000]))
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=hc.Compression.fp16)
+    opt.apply_gradients([(tf.fill([3000], 0.1), w)])
+    np.testing.assert_allclose(w.numpy(), -np.float32(np.float16(0.1)))
+    assert opt.compression_exchange.layout.dense == [0]

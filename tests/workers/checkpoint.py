@@ -1,0 +1,87 @@
+"""Checkpoint/resume exactness. Phase `full` trains 2S steps, saving at step S (per rank);
+phase `resume` (a new process) restores step S and trains to 2S; the final parameters and
+optimizer state must equal the uninterrupted run's, bit for bit."""
+import hashlib
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+from _worker import report
+
+import digits
+
+flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
+flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "savedmodel", "h5"], "How to save.")
+flags.DEFINE_string("compression", "onebit", "onebit, topk or randomk.")
+flags.DEFINE_string("work_dir", None, "Shared between the phases.")
+flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the trained model here (model.save).")
+FLAGS = flags.FLAGS
+STEPS, BATCH = 12, 32
+
+
+def batch(step, x, y):
+    """The same batch for a (step, rank) in both phases; no iterator state to restore."""
+    order = np.random.default_rng(step).permutation(len(x))
+    rows = order[hvd.rank() * BATCH:(hvd.rank() + 1) * BATCH]
+    return x[rows], y[rows]
+
+
+def new_model_and_optimizer(keras):
+    compression = {"onebit": hc.Compression.onebit(block_size=512),
+                   "topk": hc.Compression.topk(ratio=0.02),
+                   "randomk": hc.Compression.randomk(ratio=0.05)}[FLAGS.compression]
+    model = digits.cnn(keras, seed=0)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True),
+                                  compression=compression)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, opt, compression
+
+
+def digest(variables):
+    return hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in variables)).hexdigest()
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    (x, y), _ = digits.load(0)
+    work = pathlib.Path(FLAGS.work_dir) / f"rank{hvd.rank()}"
+    path = str(work / ("model.h5" if FLAGS.format == "h5" else "saved"))
+    if FLAGS.phase == "full" or FLAGS.format == "checkpoint":
+        model, opt, compression = new_model_and_optimizer(keras)
+    first = 0
+    if FLAGS.phase == "resume":
+        if FLAGS.format == "checkpoint":
+            latest = tf.train.latest_checkpoint(str(work))
+            tf.train.Checkpoint(model=model, optimizer=opt).restore(latest).assert_existing_objects_matched()
+        else:
+            model = hc.load_model(path, compression=new_model_and_optimizer(keras)[2])
+            opt = model.optimizer
+        first = STEPS
+
+    for step in range(first, 2 * STEPS):
+        if step == STEPS and FLAGS.phase == "full":
+            work.mkdir(parents=True, exist_ok=True)
+            if FLAGS.format == "checkpoint":
+                tf.train.Checkpoint(model=model, optimizer=opt).save(str(work / "ckpt"))
+            else:
+                model.save(path)
+        model.train_on_batch(*batch(step, x, y))
+
+    if FLAGS.export_dir and hvd.rank() == 0:
+        model.save(FLAGS.export_dir)
+        np.save(pathlib.Path(FLAGS.export_dir) / "inputs.npy", x[:16])
+        np.save(pathlib.Path(FLAGS.export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
+    state = [v.numpy() for v in opt.variables]
+    report(hvd, model=digest(model.get_weights()), optimizer=digest(state),
+           num_optimizer_variables=len(state), iterations=int(opt.iterations.numpy()),
+           residual_norm=float(opt.compression_exchange.residual_norm()))
+
+
+if __name__ == "__main__":
+    app.run(main)

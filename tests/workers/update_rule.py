@@ -1,0 +1,108 @@
+"""hc.DistributedOptimizer's step against the NumPy reference of the update rules, over several
+steps in graph mode with a learning-rate schedule, on every rank."""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+import np_reference as ref
+from _worker import report
+
+flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
+FLAGS = flags.FLAGS
+SHAPE, DENSE, MU = (60, 50), 10, 0.9
+BOUNDARIES, RATES = [2], [0.1, 0.05]
+
+
+def grads_of(rank, step):
+    rng = np.random.default_rng(100 * step + rank)
+    return (rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(DENSE).astype(np.float32))
+
+
+def run(compression, two_way, nesterov):
+    """Trains the two variables with hc; returns the final values."""
+    keras = hc.require_legacy_keras()
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=nesterov),
+                                  compression=compression, two_way=two_way)
+
+    @tf.function
+    def step(gw, gb):
+        opt.apply_gradients([(gw, w), (gb, b)])
+
+    for t in range(FLAGS.steps):
+        step(*map(tf.constant, grads_of(hvd.rank(), t)))
+    assert opt.compression_exchange.layout.compressed == [0] and opt.compression_exchange.layout.dense == [1]
+    return w.numpy().reshape(-1), b.numpy()
+
+
+def reference_dense(nesterov, size):
+    x, m = np.zeros(DENSE, np.float32), np.zeros(DENSE, np.float32)
+    for t in range(FLAGS.steps):
+        g = np.mean([grads_of(r, t)[1] for r in range(size)], axis=0, dtype=np.float32)
+        ref.keras_sgd(x, m, g, RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+    return x
+
+
+def reference_onebit(block_size, two_way, nesterov, size):
+    model = ref.DistEFSGD(int(np.prod(SHAPE)), size, MU, nesterov, block_size, two_way)
+    x = np.zeros(int(np.prod(SHAPE)), np.float32)
+    for t in range(FLAGS.steps):
+        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(size)], RATES[int(t > BOUNDARIES[0])])
+    return x
+
+
+def reference_sparse(compression, size, nesterov):
+    """Plain error feedback on gradients, then Keras SGD on the averaged sparse gradient."""
+    d = int(np.prod(SHAPE))
+    k = compression.num_selected(d)
+    x, m = np.zeros(d, np.float32), np.zeros(d, np.float32)
+    e = [np.zeros(d, np.float32) for _ in range(size)]
+    for t in range(FLAGS.steps):
+        total = np.zeros(d, np.float32)
+        for r in range(size):
+            a = grads_of(r, t)[0].reshape(-1) + e[r]
+            if isinstance(compression, hc.Compression.randomk):
+                idx = compression.indices(d, k, t, 0).numpy()
+                values = a[idx]
+            else:
+                values, idx = ref.top_k_abs(a, k)
+            sent = ref.scatter_dense(idx, values, d)
+            e[r] = a - sent
+            total += sent
+        ref.keras_sgd(x, m, total / np.float32(size), RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+    return x
+
+
+def main(_):
+    hvd.init()
+    size, digests = hvd.size(), {}
+    cases = {
+        "onebit two-way nesterov": (hc.Compression.onebit(), True, True,
+                                    lambda: reference_onebit(None, True, True, size)),
+        "onebit two-way blocks": (hc.Compression.onebit(block_size=64), True, False,
+                                  lambda: reference_onebit(64, True, False, size)),
+        "onebit one-way blocks": (hc.Compression.onebit(block_size=64), False, True,
+                                  lambda: reference_onebit(64, False, True, size)),
+        "topk": (hc.Compression.topk(ratio=0.05), True, True,
+                 lambda: reference_sparse(hc.Compression.topk(ratio=0.05), size, True)),
+        "randomk": (hc.Compression.randomk(ratio=0.05, seed=3), True, True,
+                    lambda: reference_sparse(hc.Compression.randomk(ratio=0.05, seed=3), size, True)),
+    }
+    for name, (compression, two_way, nesterov, reference) in cases.items():
+        w, b = run(compression, two_way, nesterov)
+        want = reference()
+        np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert np.abs(w).max() > 0.01, name  # something was learned
+        np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
+        digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    report(hvd, digests=digests)
+
+
+if __name__ == "__main__":
+    app.run(main)
