@@ -86,38 +86,59 @@ def shard_cuts(num_elements, size):
     return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
 
 
-class GradientExchange:
+def _new_variable_like(variable, name):
+    return tf.Variable(tf.zeros(variable.shape, variable.dtype), trainable=False,
+                       name=f"hc_{name}_{variable.name.split(':')[0].replace('/', '_')}")
+
+
+def _new_variable(shape, name):
+    return tf.Variable(tf.zeros(shape, tf.float32), trainable=False, name=f"hc_{name}")
+
+
+class GradientExchange(tf.Module):
     """The compressed exchange with error feedback, for one fixed list of variables.
 
-    It plans the layout, creates its state through the two factories it is
-    given (optimizer slots for the optimizer, plain variables for the tape)
-    and, each step, turns local gradients into either averaged gradients or,
-    for dist-EF-SGD, the parameter deltas D (`direct_update`).
+    It plans the layout at the first step, creates its state (through the
+    factories `build` is given: optimizer slots for DistributedOptimizer,
+    plain tracked variables otherwise) and, each step, turns local gradients
+    into averaged gradients or, for dist-EF-SGD, the parameter deltas D
+    (`direct_update`). For custom loops create one, once, and pass it to every
+    DistributedGradientTape; checkpoint it with tf.train.Checkpoint(exchange=...).
     """
 
-    def __init__(self, compression, two_way, process_set, op, gradient_predivide_factor,
-                 sparse_as_dense, min_compress_size, fusion_threshold_bytes, name):
+    def __init__(self, compression, two_way=True, process_set=hvd.global_process_set, op=hvd.Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False,
+                 min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
+                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc"):
+        super().__init__(name=name.replace(".", "_"))
+        compression = _check_arguments(compression, two_way, op, 1, min_compress_size,
+                                       fusion_threshold_bytes)
         self.compression, self.two_way, self.process_set = compression, two_way, process_set
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
-        self.name = name
+        self.collective_name = name
         self.built = False
 
     # -- planning and state -------------------------------------------------------------
-    def build(self, variables, new_slot, new_variable, direct_update):
+    def build(self, variables, new_slot=_new_variable_like, new_variable=_new_variable,
+              direct_update=False):
         """Plans the layout and creates the state; direct_update selects dist-EF-SGD's rule."""
         if self.built:
             return
-        self.variables = list(variables)
+        variables = list(variables)
         self.direct_update = direct_update
-        self.layout = Layout(self.variables, self.compression, self.min_compress_size,
+        # Kept as plain facts, not references: the module must not track the model's variables.
+        self.variable_ids = [id(v) for v in variables]
+        self.variable_names = [v.name for v in variables]
+        self.variable_dtypes = [v.dtype for v in variables]
+        self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes)
         size, rank = self.process_set.size(), self.process_set.rank()
         # Plan every exchange first: a bad size is refused before any collective runs.
         self.exchanges, server_sizes = [], []
         for b, bucket in enumerate(self.layout.buckets):
             n = self.layout.bucket_size(bucket)
-            name = f"{self.name}.bucket{b}"
+            name = f"{self.collective_name}.bucket{b}"
             c = self.compression
             if isinstance(c, OneBitCompressor):
                 bounds = ops.layout_bounds([self.layout.sizes[i] for i in bucket], c.block_size)
@@ -136,15 +157,16 @@ class GradientExchange:
                 raise TypeError(f"{c!r} is not supported by hvd_compress.DistributedOptimizer yet.")
             self.exchanges.append(ex)
         self._check_ranks_agree()
-        self.residuals = {i: new_slot(self.variables[i], "residual") for i in self.layout.compressed}
-        self.momenta = ({i: new_slot(self.variables[i], "momentum") for i in self.layout.compressed}
-                        if direct_update else {})
+        # Slots of the compressed variables, in layout.compressed order.
+        self.residuals = [new_slot(variables[i], "residual") for i in self.layout.compressed]
+        self.momenta = ([new_slot(variables[i], "momentum") for i in self.layout.compressed]
+                        if direct_update else [])
         self.server_residuals = [new_variable([n], f"server_residual_{b}")
                                  for b, n in enumerate(server_sizes)]
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
         self.dense_exchange = exchange.DenseAllreduce(
-            [self.variables[i] for i in self.layout.dense], dense_compression, size,
-            self.process_set, self.op, self.predivide, f"{self.name}.dense")
+            [variables[i] for i in self.layout.dense], dense_compression, size,
+            self.process_set, self.op, self.predivide, f"{self.collective_name}.dense")
         self.built = True
 
     def _check_ranks_agree(self):
@@ -153,10 +175,10 @@ class GradientExchange:
                     f"min_compress_size={self.min_compress_size} "
                     f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
                     f"direct_update={self.direct_update} "
-                    f"variables={[(s, v.dtype.name) for s, v in zip(self.layout.shapes, self.variables)]}")
+                    f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
         fingerprint = hashlib.sha256(settings.encode()).hexdigest()[:16]
         everyone = hvd.allgather_object((fingerprint, settings), process_set=self.process_set,
-                                        name=f"{self.name}.settings")
+                                        name=f"{self.collective_name}.settings")
         if len({f for f, _ in everyone}) > 1:
             lines = "\n".join(f"  rank {r}: {s[:300]}" for r, (_, s) in enumerate(everyone))
             raise ValueError("hvd_compress: the ranks were started with different compression settings "
@@ -175,26 +197,26 @@ class GradientExchange:
 
     def residual_norm(self):
         """Global norm of the worker residuals (and of this rank's server residuals)."""
-        tensors = list(self.residuals.values()) + list(self.server_residuals)
+        tensors = list(self.residuals) + list(self.server_residuals)
         return tf.linalg.global_norm(tensors) if tensors else tf.constant(0.0)
 
     # -- one step -----------------------------------------------------------------------
     def prepare(self, grads):
         """Checks and densifies the gradients (None -> zeros, IndexedSlices -> dense or error)."""
         prepared = []
-        for g, v in zip(grads, self.variables):
+        for g, name, shape, dtype in zip(grads, self.variable_names, self.layout.shapes, self.variable_dtypes):
             if g is None:  # every rank sends the same layout; a missing gradient counts as zero
-                g = tf.zeros_like(v)
+                g = tf.zeros(shape, dtype)
             elif isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
                     raise ValueError(
-                        f"The gradient of {v.name} is sparse (tf.IndexedSlices, e.g. from an Embedding). "
+                        f"The gradient of {name} is sparse (tf.IndexedSlices, e.g. from an Embedding). "
                         "hvd_compress.DistributedOptimizer exchanges dense buffers: pass "
                         "sparse_as_dense=True to densify it.")
                 g = tf.convert_to_tensor(g)
             if not g.dtype.is_floating:
                 raise TypeError(
-                    f"The gradient of {v.name} has dtype {g.dtype.name}; hvd_compress averages float "
+                    f"The gradient of {name} has dtype {g.dtype.name}; hvd_compress averages float "
                     "gradients only. Make integer variables non-trainable.")
             prepared.append(g)
         return prepared
@@ -222,7 +244,7 @@ class GradientExchange:
                 update = update * self.process_set.size()
             for i in bucket:
                 size, shape = self.layout.sizes[i], self.layout.shapes[i]
-                self.residuals[i].assign(tf.reshape(residual[offset:offset + size], shape))
+                self.residuals[self.layout.compressed.index(i)].assign(tf.reshape(residual[offset:offset + size], shape))
                 out[i] = tf.reshape(update[offset:offset + size], shape)
                 offset += size
         return out
@@ -230,10 +252,11 @@ class GradientExchange:
     def _error_fed(self, i, g, learning_rate, momentum, nesterov):
         """a_i: lr * (Nesterov) momentum + e_i in direct-update mode, else g_i + e_i."""
         g = tf.cast(g, tf.float32)
-        e = self.residuals[i]
+        slot = self.layout.compressed.index(i)
+        e = self.residuals[slot]
         if not self.direct_update:
             return g + e
-        m = self.momenta[i]
+        m = self.momenta[slot]
         m.assign(momentum * m + g)
         p = momentum * m + g if nesterov else tf.identity(m)
         return learning_rate * p + e
@@ -267,7 +290,8 @@ class _DistributedOptimizerMixin:
     """Methods mixed into a subclass of the user's optimizer class (as Horovod does)."""
 
     def _hc_init(self, exchange_, backward_passes_per_step, average_aggregated_gradients):
-        self._hc_exchange = exchange_
+        # Not tracked: its state is already in the optimizer's own variables.
+        object.__setattr__(self, "_hc_exchange", exchange_)
         self._hc_backward_passes = backward_passes_per_step
         self._hc_average_aggregated = average_aggregated_gradients
 
@@ -303,7 +327,7 @@ class _DistributedOptimizerMixin:
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
-        if [id(v) for v in variables] != [id(v) for v in self._hc_exchange.variables]:
+        if [id(v) for v in variables] != self._hc_exchange.variable_ids:
             raise ValueError("hvd_compress.DistributedOptimizer plans its layout for the variables of "
                              "the first step and needs the same variables, in the same order, at every "
                              "step. Use one optimizer per set of variables.")
@@ -392,6 +416,47 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          name=name or f"hc.{base.__name__}"),
         backward_passes_per_step, average_aggregated_gradients)
     return wrapped
+
+
+class DistributedGradientTape:
+    """Wraps a tf.GradientTape so `gradient()` returns gradients averaged across ranks, compressed.
+
+    Takes hvd.DistributedGradientTape's keyword arguments. Stateless
+    compressions (none, fp16) need nothing else. Stateful ones keep error
+    feedback across steps, so their state must outlive the tape, which a
+    custom loop creates every step: make `exchange = hc.GradientExchange(
+    compression, two_way=...)` once and pass `exchange=exchange` (and put it
+    in your tf.train.Checkpoint). The rule is plain error feedback on
+    gradients, a = g + e, D = C(a), e = a - D; your optimizer applies the mean.
+    """
+
+    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
+                 groups=None, process_set=hvd.global_process_set, exchange=None, two_way=True):
+        if exchange is None:
+            compression = _check_arguments(compression, two_way, op, 1, DEFAULT_MIN_COMPRESS_SIZE,
+                                           DEFAULT_FUSION_THRESHOLD_BYTES)
+            if compression.requires_optimizer:
+                raise ValueError(
+                    f"{compression!r} keeps error-feedback state across steps, and a tape lives for "
+                    "one step. Create `exchange = hvd_compress.GradientExchange(compression, "
+                    "two_way=...)` once, outside the loop, and pass exchange=exchange.")
+            exchange = GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
+                                        sparse_as_dense, name="hc.tape")
+        self._tape, self.exchange = gradtape, exchange
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
+        variables = tf.nest.flatten(sources)
+        with tf.init_scope():
+            self.exchange.build(variables)
+        if [id(v) for v in variables] != self.exchange.variable_ids:
+            raise ValueError("A GradientExchange serves one list of variables, in one order; use "
+                             "one exchange per list.")
+        return tf.nest.pack_sequence_as(grads, self.exchange(tf.nest.flatten(grads)))
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
 
 
 def load_model(filepath, compression=Compression.none, custom_optimizers=None, custom_objects=None,

@@ -103,3 +103,29 @@ def test_fp16_compression_bytes_and_result():
     opt.apply_gradients([(tf.fill([3000], 0.1), w)])
     np.testing.assert_allclose(w.numpy(), -np.float32(np.float16(0.1)))
     assert opt.compression_exchange.layout.dense == [0]
+
+
+def test_tape_needs_an_exchange_for_stateful_compression():
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(ValueError, match="GradientExchange"):
+        hc.DistributedGradientTape(tape, compression=hc.Compression.onebit())
+
+
+def test_tape_exchange_state_is_checkpointed(tmp_path):
+    def trained_exchange(steps):
+        w = tf.Variable(tf.zeros([2048]))
+        exchange = hc.GradientExchange(hc.Compression.topk(ratio=0.01))
+        for t in range(steps):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * tf.random.stateless_normal([2048], [t, 0]))
+            hc.DistributedGradientTape(tape, exchange=exchange).gradient(loss, [w])
+        return w, exchange
+
+    w, exchange = trained_exchange(3)
+    path = tf.train.Checkpoint(exchange=exchange).save(str(tmp_path / "ckpt"))
+    fresh_w, fresh = trained_exchange(0)
+    tf.train.Checkpoint(exchange=fresh).restore(path)
+    fresh.build([fresh_w])  # what the first step does; the restored values fill the new variables
+    np.testing.assert_array_equal(fresh.residuals[0].numpy(), exchange.residuals[0].numpy())
+    assert np.abs(exchange.residuals[0].numpy()).sum() > 0

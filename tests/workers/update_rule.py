@@ -79,6 +79,36 @@ def reference_sparse(compression, size, nesterov):
     return x
 
 
+def run_tape(block_size):
+    """A custom loop: DistributedGradientTape with a GradientExchange, then plain SGD."""
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size), two_way=True)
+    sgd = hc.require_legacy_keras().optimizers.SGD(0.1)
+
+    @tf.function
+    def step(gw):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * gw)  # d loss / d w = gw
+        tape = hc.DistributedGradientTape(tape, exchange=exchange)
+        sgd.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+    for t in range(FLAGS.steps):
+        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    return w.numpy().reshape(-1)
+
+
+def reference_tape(block_size, size):
+    """Plain EF on gradients = dist-EF-SGD with mu = 0 and lr = 1 giving D, then x -= 0.1 D."""
+    d = int(np.prod(SHAPE))
+    model = ref.DistEFSGD(d, size, 0.0, False, block_size, True)
+    x = np.zeros(d, np.float32)
+    for t in range(FLAGS.steps):
+        update = np.zeros(d, np.float32)
+        model.step(update, [grads_of(r, t)[0].reshape(-1) for r in range(size)], 1.0)
+        x += np.float32(0.1) * update  # update holds -D
+    return x
+
+
 def main(_):
     hvd.init()
     size, digests = hvd.size(), {}
@@ -101,6 +131,9 @@ def main(_):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    w = run_tape(128)
+    np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg="tape")
+    digests["tape"] = hashlib.sha256(w.tobytes()).hexdigest()
     report(hvd, digests=digests)
 
 

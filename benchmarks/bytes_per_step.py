@@ -1,0 +1,157 @@
+"""Bytes per worker per step and step time for a 10M-parameter MLP, n = 2 and 4 ranks.
+
+    .venv/bin/python benchmarks/bytes_per_step.py            # launches horovodrun itself
+
+For each method it runs `horovodrun -np N --gloo` on this machine and reports:
+- accounted: what hvd_compress's exchanges say one worker sends per step;
+- loopback: what crossed the loopback interface during the timed steps (the
+  kernel's counter for `lo`, all ranks together, divided by N), which adds
+  TCP/IP headers and Horovod's own negotiation messages to the payload;
+- the dist-EF-SGD formula 2 (n-1)/n d (1/8 + 4/B) for the compressed tensors
+  plus the ring allreduce of the uncompressed ones;
+- the median step time (forward, backward, exchange, update).
+Writes results/bytes_per_step.json and prints a markdown table.
+"""
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
+flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
+flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk"],
+                  "Methods to run.")
+flags.DEFINE_string("method", "fp32", "worker: the method.")
+flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
+flags.DEFINE_integer("batch_size", 32, "Batch per rank.")
+flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
+flags.DEFINE_string("out", "results/bytes_per_step.json", "launcher: the table's JSON.")
+FLAGS = flags.FLAGS
+
+LAYERS = [1000, 2000, 2000, 2000, 10]  # 10.0M parameters
+
+
+def method_options(hc, method):
+    return {
+        "fp32": dict(compression=hc.Compression.none),
+        "fp16": dict(compression=hc.Compression.fp16),
+        "onebit": dict(compression=hc.Compression.onebit(), two_way=True),
+        "onebit_b256": dict(compression=hc.Compression.onebit(block_size=256), two_way=True),
+        "onebit_oneway": dict(compression=hc.Compression.onebit(), two_way=False),
+        "topk": dict(compression=hc.Compression.topk(ratio=0.01)),
+        "randomk": dict(compression=hc.Compression.randomk(ratio=0.01)),
+    }[method]
+
+
+def loopback_bytes():
+    for line in pathlib.Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # transmitted bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def worker():
+    import numpy as np
+    import hvd_compress as hc
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((LAYERS[0],))] + [
+        keras.layers.Dense(units, activation="relu" if i < len(LAYERS) - 2 else None)
+        for i, units in enumerate(LAYERS[1:])])
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
+                                  **method_options(hc, FLAGS.method))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x = tf.random.normal([FLAGS.batch_size, LAYERS[0]])
+    y = tf.random.uniform([FLAGS.batch_size], 0, LAYERS[-1], tf.int64)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    for _ in range(3):
+        step().numpy()
+    hvd.allreduce(tf.zeros([1]), name="before").numpy()
+    before, times = loopback_bytes(), []
+    for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        step().numpy()
+        times.append(time.perf_counter() - start)
+    hvd.allreduce(tf.zeros([1]), name="after").numpy()
+    measured = (loopback_bytes() - before) / FLAGS.steps / hvd.size()
+
+    ex = opt.compression_exchange
+    n, layout = hvd.size(), ex.layout
+    compressed = sum(layout.sizes[i] for i in layout.compressed)
+    dense = sum(layout.sizes[i] for i in layout.dense)
+    block = getattr(ex.compression, "block_size", None)
+    formula = None
+    if FLAGS.method.startswith("onebit"):
+        num_blocks = sum(len(e.bounds) - 1 for e in ex.exchanges)
+        bytes_per_element = 1 / 8 + 4 * num_blocks / compressed if block is None else 1 / 8 + 4 / block
+        formula = (2 * (n - 1) / n * compressed * bytes_per_element
+                   + 2 * (n - 1) / n * 4 * dense)
+    if hvd.rank() == 0:
+        pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+            method=FLAGS.method, ranks=n, params=int(sum(layout.sizes)), compressed=compressed,
+            accounted=ex.bytes_sent, loopback=measured, formula=formula,
+            fp32_allreduce=ex.uncompressed_bytes, step_ms=1000 * statistics.median(times))))
+
+
+def launch(method, ranks):
+    with tempfile.TemporaryDirectory() as tmp:
+        result = pathlib.Path(tmp) / "result.json"
+        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
+        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
+               __file__, "--role=worker", f"--method={method}", f"--result={result}",
+               f"--steps={FLAGS.steps}", f"--batch_size={FLAGS.batch_size}"]
+        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(max(1, os.cpu_count() // ranks)),
+                   TF_NUM_INTEROP_THREADS="1")
+        subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+        return json.loads(result.read_text())
+
+
+def main(_):
+    if FLAGS.role == "worker":
+        return worker()
+    rows = []
+    for ranks in map(int, FLAGS.ranks):
+        for method in FLAGS.methods:
+            rows.append(launch(method, ranks))
+            r = rows[-1]
+            print(f"n={ranks} {method}: accounted {r['accounted']:.0f} B, loopback {r['loopback']:.0f} B, "
+                  f"step {r['step_ms']:.1f} ms", flush=True)
+    print("\n| n | method | accounted bytes/step | loopback bytes/step | formula | vs formula "
+          "| fp32 / ours | step ms | step vs fp32 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fp32 = next(x for x in rows if x["ranks"] == r["ranks"] and x["method"] == "fp32")
+        formula = f"{r['formula']:.0f}" if r["formula"] else "-"
+        versus = f"{r['accounted'] / r['formula'] - 1:+.2%}" if r["formula"] else "-"
+        print(f"| {r['ranks']} | {r['method']} | {r['accounted']:.0f} | {r['loopback']:.0f} | {formula} | "
+              f"{versus} | {r['fp32_allreduce'] / r['accounted']:.1f}x | {r['step_ms']:.1f} | "
+              f"{r['step_ms'] / fp32['step_ms']:.2f} |")
+    out = pathlib.Path(FLAGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\nwrote {out}; {rows[0]['params']} parameters")
+
+
+if __name__ == "__main__":
+    app.run(main)
