@@ -12,13 +12,14 @@ setup:
 
 demo: setup
 	PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
-		$(PY) examples/keras_digits.py --compression fp16
+		$(PY) examples/keras_digits.py --compression onebit
 
 test: setup
 	$(PY) -m pytest
 
 bench: setup
 	$(PY) benchmarks/ops_throughput.py
+	$(PY) benchmarks/bytes_per_step.py
 
 clean:
 	rm -rf build hvd_compress/_tf_ops.so

@@ -88,7 +88,8 @@ def layout_bounds(sizes, block_size=None):
         raise ValueError(f"sizes must be non-negative, got {sizes}.")
     starts, offset = [], 0
     for size in sizes:
-        starts.extend(range(offset, offset + size, size if block_size is None else block_size))
+        if size:
+            starts.extend(range(offset, offset + size, size if block_size is None else block_size))
         offset += size
     return np.array(starts + [offset], dtype=np.int64)
 
