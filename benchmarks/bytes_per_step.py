@@ -26,6 +26,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+import results  # noqa: E402
+
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
 flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk"],
@@ -148,10 +150,8 @@ def main(_):
         print(f"| {r['ranks']} | {r['method']} | {r['accounted']:.0f} | {r['loopback']:.0f} | {formula} | "
               f"{versus} | {r['fp32_allreduce'] / r['accounted']:.1f}x | {r['step_ms']:.1f} | "
               f"{r['step_ms'] / fp32['step_ms']:.2f} |")
-    out = pathlib.Path(FLAGS.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"\nwrote {out}; {rows[0]['params']} parameters")
+    print(f"\n{rows[0]['params']} parameters")
+    results.save(FLAGS.out, rows)
 
 
 if __name__ == "__main__":

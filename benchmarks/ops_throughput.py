@@ -8,9 +8,7 @@ the same computation written with tf.sign/cast/reshape/reduce ops, the way
 pure-Python compression plugins do it. Writes results/ops_throughput.json and
 prints a markdown table.
 """
-import json
 import os
-import pathlib
 import statistics
 import time
 
@@ -20,6 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+import results  # noqa: E402
 from hvd_compress import ops  # noqa: E402
 
 flags.DEFINE_list("sizes", ["1M", "16M", "64M"], "Tensor sizes in floats (K/M suffixes).")
@@ -100,27 +99,24 @@ def measure(n):
 def main(_):
     sizes = [parse_size(s) for s in FLAGS.sizes]
     threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
-    results = {"threads": threads, "gb_per_s": {}}
+    figures = {"threads": threads, "gb_per_s": {}}
     for text, n in zip(FLAGS.sizes, sizes):
-        results["gb_per_s"][text] = measure(n)
+        figures["gb_per_s"][text] = measure(n)
         print(f"measured {text} floats", flush=True)
-    names = list(next(iter(results["gb_per_s"].values())))
+    names = list(next(iter(figures["gb_per_s"].values())))
     print(f"\nGB/s of float32 input, median of {FLAGS.repeats}, {threads} CPU threads "
           f"(TensorFlow {tf.__version__})\n")
     print("| op | " + " | ".join(FLAGS.sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for name in names:
-        print(f"| {name} | " + " | ".join(f"{results['gb_per_s'][s][name]:.2f}" for s in FLAGS.sizes) + " |")
+        print(f"| {name} | " + " | ".join(f"{figures['gb_per_s'][s][name]:.2f}" for s in FLAGS.sizes) + " |")
     print()
     for s in FLAGS.sizes:
-        r = results["gb_per_s"][s]
+        r = figures["gb_per_s"][s]
         copy = r["copy (DeepCopy)"]
         print(f"{s}: pack {r['pack'] / copy:.0%} of copy, {r['pack'] / r['pack, stock TF']:.1f}x stock TF; "
               f"unpack {r['unpack'] / copy:.0%} of copy, {r['unpack'] / r['unpack, stock TF']:.1f}x stock TF")
-    out = pathlib.Path(FLAGS.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    results.save(FLAGS.out, figures)
 
 
 if __name__ == "__main__":
