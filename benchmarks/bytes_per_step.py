@@ -7,6 +7,7 @@ For each method it runs `horovodrun -np N --gloo` on this machine and reports:
 - loopback: what crossed the loopback interface during the timed steps (the
   kernel's counter for `lo`, all ranks together, divided by N), which adds
   TCP/IP headers and Horovod's own negotiation messages to the payload;
+- for sketches, the ring allreduce of r c + k floats (+ the uncompressed ones);
 - the dist-EF-SGD formula 2 (n-1)/n d (1/8 + 4/B) for the compressed tensors
   (one-way: (n-1) d (1/8 + 4/B)) plus the ring allreduce of the uncompressed
   ones, and how far the loopback measurement is from it;
@@ -30,7 +31,8 @@ import results  # noqa: E402
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
-flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk"],
+flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk",
+                             "sketch4", "sketch32"],
                   "Methods to run.")
 flags.DEFINE_string("method", "fp32", "worker: the method.")
 flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
@@ -51,6 +53,8 @@ def method_options(hc, method):
         "onebit_oneway": dict(compression=hc.Compression.onebit(), two_way=False),
         "topk": dict(compression=hc.Compression.topk(ratio=0.01)),
         "randomk": dict(compression=hc.Compression.randomk(ratio=0.01)),
+        "sketch4": dict(compression=hc.Compression.sketch(ratio=4)),
+        "sketch32": dict(compression=hc.Compression.sketch(ratio=32)),
     }[method]
 
 
@@ -104,6 +108,9 @@ def worker():
     dense = sum(layout.sizes[i] for i in layout.dense)
     block = getattr(ex.compression, "block_size", None)
     formula = None
+    if FLAGS.method.startswith("sketch"):  # ring allreduce of r c + k floats, whatever n
+        k, rows, cols = ex.exchanges[0].k, ex.exchanges[0].rows, ex.exchanges[0].cols
+        formula = 2 * (n - 1) / n * 4 * (rows * cols + k + dense)
     if FLAGS.method.startswith("onebit"):
         num_blocks = sum(len(e.bounds) - 1 for e in ex.exchanges)
         bytes_per_element = 1 / 8 + 4 * num_blocks / compressed if block is None else 1 / 8 + 4 / block

@@ -78,6 +78,8 @@ def measure(n):
     stacked_bits = tf.stack([bits] * FLAGS.ranks)
     stacked_scales = tf.stack([scales] * FLAGS.ranks)
     bounds = ops.block_bounds(n)
+    rows, cols = 3, max(1, n // 16)  # a 4x sketch's shape: rows * cols = 3n / 16
+    sketch = ops.count_sketch(x, rows, cols)
     cases = {
         "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
         "tf.identity": (tf.function(tf.identity), x),
@@ -92,6 +94,8 @@ def measure(n):
             tf.function(lambda b, s: stock_unpack_mean(b, s, n)), stacked_bits, stacked_scales),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n)": (tf.function(lambda t: ops.top_k_abs(t, k)), x),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n), stock TF": (tf.function(lambda t: stock_top_k(t, k)), x),
+        f"count_sketch ({rows} x n/16)": (tf.function(lambda t: ops.count_sketch(t, rows, cols)), x),
+        f"count_sketch_query ({rows} x n/16)": (tf.function(lambda s: ops.count_sketch_query(s, n)), sketch),
     }
     return {name: n * 4 / median_seconds(fn, *args) / 1e9 for name, (fn, *args) in cases.items()}
 

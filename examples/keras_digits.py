@@ -13,11 +13,12 @@ import horovod.tensorflow.keras as hvd
 
 import digits
 
-flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk"],
+flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk", "sketch"],
                   "Gradient compression.")
 flags.DEFINE_bool("two_way", True, "onebit: compress the averaged update again on a sharded server.")
 flags.DEFINE_integer("block_size", None, "onebit: elements per scale (default: one block per tensor).")
 flags.DEFINE_float("ratio", 0.01, "topk/randomk: fraction of each bucket sent.")
+flags.DEFINE_float("sketch_ratio", 4.0, "sketch: compression of bytes per step (sizes chosen from it).")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
@@ -32,6 +33,7 @@ def compression_from_flags():
         "onebit": lambda: hc.Compression.onebit(block_size=FLAGS.block_size),
         "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
         "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio, seed=FLAGS.seed),
+        "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed),
     }[FLAGS.compression]()
 
 

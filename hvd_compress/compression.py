@@ -205,3 +205,10 @@ class Compression:
     onebit = OneBitCompressor
     topk = TopKCompressor
     randomk = RandomKCompressor
+
+    @staticmethod
+    def sketch(ratio=None, k=None, rows=None, cols=None, second_round=True, seed=0):
+        """Count-sketch compression (hvd_compress.sketch.SketchCompressor)."""
+        from hvd_compress.sketch import SketchCompressor  # sketch.py builds on this module
+        return SketchCompressor(ratio=ratio, k=k, rows=rows, cols=cols, second_round=second_round,
+                                seed=seed)

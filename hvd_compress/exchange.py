@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from hvd_compress import ops
 
 
 def allreduce_bytes(payload_bytes, size):
@@ -192,3 +193,30 @@ class SharedRandomAllreduce:
                                process_set=self.process_set, name=self.name)
         update = self.compressor.decode((summed[:-1], indices), self.n) / self.size
         return sent, update + summed[-1]
+
+
+class SketchAllreduce:
+    """Sketched SGD: count sketches summed by allreduce, heavy hitters recovered alike on
+    every rank, then (second round) their exact sums fetched by a k-float allreduce."""
+
+    def __init__(self, compressor, num_elements, size, process_set, name, salt):
+        self.compressor, self.n, self.size = compressor, num_elements, size
+        self.process_set, self.name, self.salt = process_set, name, salt
+        self.k, self.rows, self.cols = compressor.sizes(num_elements)
+        self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, size)
+                           + (allreduce_bytes(4 * self.k, size) if compressor.second_round else 0))
+
+    def __call__(self, flat):
+        """Returns (what this worker sent, the mean update, the candidate indices)."""
+        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, self.salt), op=hvd.Sum,
+                               process_set=self.process_set, name=self.name + ".sketch")
+        estimate = self.compressor.estimate(summed, self.n, self.salt)
+        _, indices = ops.top_k_abs(estimate, self.k)
+        local = tf.gather(flat, indices)
+        if self.compressor.second_round:
+            values = hvd.allreduce(local, op=hvd.Sum, process_set=self.process_set,
+                                   name=self.name + ".values")
+        else:
+            values = tf.gather(estimate, indices)
+        sent = ops.scatter_dense(indices, local, self.n)
+        return sent, ops.scatter_dense(indices, values, self.n) / self.size, indices

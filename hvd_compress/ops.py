@@ -23,7 +23,7 @@ REBUILD_HINT = (
 )
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
-             "ScatterDense", "HvdCompressBuildInfo")
+             "ScatterDense", "CountSketch", "CountSketchQuery", "HvdCompressBuildInfo")
 
 
 for _name in _OP_NAMES:  # the ops compute encodings, never gradients
@@ -181,3 +181,27 @@ def top_k_abs(x, k):
 def scatter_dense(indices, values, n):
     """Dense vector of length n with values summed at indices (duplicates add up)."""
     return library().scatter_dense(indices, values, tf.cast(n, tf.int64))
+
+
+def check_sketch_size(rows, cols):
+    """Raises ValueError unless rows and cols are positive integers."""
+    for name, value in (("rows", rows), ("cols", cols)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def count_sketch(x, rows, cols, seed=0):
+    """Count sketch of x (flattened), float32[rows, cols]: S[j, h_j(i)] += s_j(i) x_i.
+
+    Hashes and signs come from (seed, j, i) alone (tf_ops/sketch_hash.h), so
+    every rank with the same seed builds compatible, summable sketches.
+    """
+    x = tf.convert_to_tensor(x)
+    check_float(x, "x")
+    check_sketch_size(rows, cols)
+    return library().count_sketch(x, rows=int(rows), cols=int(cols), seed=int(seed))
+
+
+def count_sketch_query(sketch, n, seed=0):
+    """Median-of-rows estimate of every coordinate i < n from a sketch, float32[n]."""
+    return library().count_sketch_query(sketch, tf.cast(n, tf.int64), seed=int(seed))

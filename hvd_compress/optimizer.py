@@ -26,7 +26,10 @@ model.save keep it):
   The residuals e_i and e_s hold learning-rate-scaled quantities: after a
   learning-rate drop they still carry what was left over at the old rate,
   as in the paper; nothing is rescaled.
-- Everything else (onebit under Adam etc., top-k, random-k): plain error
+- sketch under SGD: sketched SGD (Ivkin et al., NeurIPS 2019), the same
+  rule with a = lr u + e where u is the worker's momentum, and both u and e
+  zeroed where the update was applied (hvd_compress/sketch.py).
+- Everything else (onebit or sketch under Adam etc., top-k, random-k): plain error
   feedback on gradients, a_i = g_i + e_i, D_i = C(a_i), e_i = a_i - D_i, and
   the mean D (server-compressed again for two-way onebit) is handed to the
   wrapped optimizer as the gradient, which applies its own momentum.
@@ -46,6 +49,7 @@ from hvd_compress import exchange, ops
 from hvd_compress.compression import (Compression, OneBitCompressor, RandomKCompressor,
                                       StatefulCompressor, TopKCompressor)
 from hvd_compress.keras_compat import require_legacy_keras
+from hvd_compress.sketch import SketchCompressor
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
 DEFAULT_FUSION_THRESHOLD_BYTES = 64 << 20
@@ -149,6 +153,8 @@ class GradientExchange(tf.Module):
                     server_sizes.append(ex.server_size)
                 else:
                     ex = exchange.SignAllgather(c, bounds, size, self.process_set, name)
+            elif isinstance(c, SketchCompressor):
+                ex = exchange.SketchAllreduce(c, n, size, self.process_set, name, salt=b)
             elif isinstance(c, RandomKCompressor):
                 ex = exchange.SharedRandomAllreduce(c, n, c.num_selected(n), size, self.process_set, name)
             elif isinstance(c, TopKCompressor):
@@ -237,6 +243,10 @@ class GradientExchange(tf.Module):
                 self.server_residuals[b].assign(new_server_residual)
             elif isinstance(ex, exchange.SharedRandomAllreduce):
                 sent, update = ex(flat, step, salt=b)
+            elif isinstance(ex, exchange.SketchAllreduce):
+                sent, update, indices = ex(flat)
+                if self.momenta:  # sketched SGD zeroes the momentum where it applied the update
+                    self._zero_momentum_at(bucket, indices, ex.n)
             else:
                 sent, update = ex(flat)
             residual, offset = flat - sent, 0
@@ -248,6 +258,15 @@ class GradientExchange(tf.Module):
                 out[i] = tf.reshape(update[offset:offset + size], shape)
                 offset += size
         return out
+
+    def _zero_momentum_at(self, bucket, indices, num_elements):
+        keep = 1.0 - ops.scatter_dense(indices, tf.ones_like(indices, tf.float32), num_elements)
+        offset = 0
+        for i in bucket:
+            size, shape = self.layout.sizes[i], self.layout.shapes[i]
+            m = self.momenta[self.layout.compressed.index(i)]
+            m.assign(m * tf.reshape(keep[offset:offset + size], shape))
+            offset += size
 
     def _error_fed(self, i, g, learning_rate, momentum, nesterov):
         """a_i: lr * (Nesterov) momentum + e_i in direct-update mode, else g_i + e_i."""
@@ -301,10 +320,11 @@ class _DistributedOptimizerMixin:
         return self._hc_exchange
 
     def _hc_direct_update(self):
-        """dist-EF-SGD's rule (momentum in front, lr inside) for onebit under SGD."""
+        """Momentum in front and lr inside (dist-EF-SGD, sketched SGD) for onebit and sketch
+        under SGD."""
         keras = require_legacy_keras()
-        return isinstance(self._hc_exchange.compression, OneBitCompressor) and isinstance(
-            self, keras.optimizers.SGD)
+        return isinstance(self._hc_exchange.compression, (OneBitCompressor, SketchCompressor)) \
+            and isinstance(self, keras.optimizers.SGD)
 
     def build(self, var_list):
         super().build(var_list)

@@ -129,3 +129,64 @@ class DistEFSGD:
             self.e_server[lo:hi] = server_input - server_sent
             update[lo:hi] = server_sent
         x -= update
+
+
+def _mix64(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def sketch_hash(seed, row, n, cols):
+    """(buckets, signs) of coordinates 0..n-1 in one row, as SketchHash in tf_ops/sketch_hash.h."""
+    with np.errstate(over="ignore"):
+        key = _mix64(np.array([seed], np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                     + np.array([row + 1], np.uint64) * np.uint64(0xD1B54A32D192ED03))
+        z = _mix64(key + np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    buckets = ((z >> np.uint64(32)) * np.uint64(cols)) >> np.uint64(32)
+    signs = np.where(z & np.uint64(1), np.float32(-1), np.float32(1))
+    return buckets.astype(np.int64), signs
+
+
+def count_sketch(x, rows, cols, seed=0):
+    flat = np.asarray(x).reshape(-1).astype(np.float32)
+    sketch = np.zeros((rows, cols), np.float32)
+    for j in range(rows):
+        buckets, signs = sketch_hash(seed, j, flat.size, cols)
+        np.add.at(sketch[j], buckets, signs * flat)  # in increasing i, like the kernel
+    return sketch
+
+
+def count_sketch_query(sketch, n, seed=0):
+    rows, cols = sketch.shape
+    values = np.empty((rows, n), np.float32)
+    for j in range(rows):
+        buckets, signs = sketch_hash(seed, j, n, cols)
+        values[j] = signs * sketch[j, buckets]
+    values.sort(axis=0)  # NaN last, as in the kernel
+    if rows % 2:
+        return values[rows // 2]
+    return (values[rows // 2 - 1] + values[rows // 2]) / np.float32(2)
+
+
+class SketchedSGD:
+    """Sketched SGD (shared/DESIGN.md) for ONE worker: what n workers must equal when this one is
+    given the mean of their gradients (the concatenated batch), because sketches are linear."""
+
+    def __init__(self, d, k, rows, cols, seed, mu, nesterov):
+        self.d, self.k, self.rows, self.cols, self.seed = d, k, rows, cols, seed
+        self.mu, self.nesterov = np.float32(mu), nesterov
+        self.u = np.zeros(d, np.float32)
+        self.e = np.zeros(d, np.float32)
+
+    def step(self, x, g, lr):
+        self.u = self.mu * self.u + g
+        p = self.mu * self.u + g if self.nesterov else self.u
+        a = np.float32(lr) * p + self.e
+        estimate = count_sketch_query(count_sketch(a, self.rows, self.cols, self.seed), self.d, self.seed)
+        _, idx = top_k_abs(estimate, self.k)
+        x[idx] -= a[idx]
+        self.e = a.copy()
+        self.e[idx] = 0
+        self.u[idx] = 0
+        return idx

@@ -16,7 +16,7 @@ import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "savedmodel", "h5"], "How to save.")
-flags.DEFINE_string("compression", "onebit", "onebit, topk or randomk.")
+flags.DEFINE_string("compression", "onebit", "onebit, topk, randomk or sketch.")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the trained model here (model.save).")
 FLAGS = flags.FLAGS
@@ -33,7 +33,8 @@ def batch(step, x, y):
 def new_model_and_optimizer(keras):
     compression = {"onebit": hc.Compression.onebit(block_size=512),
                    "topk": hc.Compression.topk(ratio=0.02),
-                   "randomk": hc.Compression.randomk(ratio=0.05)}[FLAGS.compression]
+                   "randomk": hc.Compression.randomk(ratio=0.05),
+                   "sketch": hc.Compression.sketch(ratio=4)}[FLAGS.compression]
     model = digits.cnn(keras, seed=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True),

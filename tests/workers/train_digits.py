@@ -16,6 +16,7 @@ import digits
 flags.DEFINE_string("compression", "none", "none, fp16, onebit, topk or randomk.")
 flags.DEFINE_bool("two_way", True, "onebit: two-way.")
 flags.DEFINE_float("ratio", 0.01, "topk/randomk ratio.")
+flags.DEFINE_float("sketch_ratio", 4.5, "sketch: compression of the compressed tensors' bytes.")
 flags.DEFINE_integer("epochs", 16, "Epochs.")
 flags.DEFINE_string("optimizer", "sgd", "sgd (Nesterov momentum) or adam.")
 FLAGS = flags.FLAGS
@@ -25,7 +26,8 @@ def compression():
     return {"none": lambda: hc.Compression.none, "fp16": lambda: hc.Compression.fp16,
             "onebit": lambda: hc.Compression.onebit(),
             "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
-            "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio)}[FLAGS.compression]()
+            "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio),
+            "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio)}[FLAGS.compression]()
 
 
 def weights_digest(model):

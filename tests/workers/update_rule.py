@@ -109,6 +109,27 @@ def reference_tape(block_size, size):
     return x
 
 
+def run_sketch(compression):
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    opt = hc.DistributedOptimizer(hc.require_legacy_keras().optimizers.SGD(0.1, momentum=MU, nesterov=True),
+                                  compression=compression)
+    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
+    for t in range(FLAGS.steps):
+        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    return w.numpy().reshape(-1), opt.compression_exchange.exchanges[0]
+
+
+def reference_sketch_on_the_concatenated_batch(exchange, size):
+    d = int(np.prod(SHAPE))
+    model = ref.SketchedSGD(d, exchange.k, exchange.rows, exchange.cols, exchange.compressor.seed << 20,
+                            MU, True)
+    x = np.zeros(d, np.float32)
+    for t in range(FLAGS.steps):
+        mean = np.mean([grads_of(r, t)[0].reshape(-1) for r in range(size)], axis=0, dtype=np.float32)
+        model.step(x, mean, 0.1)
+    return x
+
+
 def main(_):
     hvd.init()
     size, digests = hvd.size(), {}
@@ -131,6 +152,11 @@ def main(_):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    w, ex = run_sketch(hc.Compression.sketch(ratio=6, seed=5))
+    want = reference_sketch_on_the_concatenated_batch(ex, size)
+    assert np.count_nonzero(w) > ex.k  # several steps of k coordinates each
+    np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg="sketch")
+    digests["sketch"] = hashlib.sha256(w.tobytes()).hexdigest()
     w = run_tape(128)
     np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg="tape")
     digests["tape"] = hashlib.sha256(w.tobytes()).hexdigest()

@@ -1,0 +1,72 @@
+"""Count-sketch ops against the NumPy reference (same hashes), linearity, heavy hitters."""
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import np_reference as ref
+from hvd_compress import ops
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), rows=st.integers(1, 6), cols=st.integers(1, 500), seed=st.integers(0, 2**31),
+       dtype=st.sampled_from([tf.float32, tf.float16, tf.bfloat16]))
+def test_sketch_and_query_match_numpy_bit_exact(n, rows, cols, seed, dtype):
+    x = tf.cast(np.random.default_rng(seed).standard_normal(n).astype(np.float32), dtype)
+    sketch = ops.count_sketch(x, rows, cols, seed)
+    np.testing.assert_array_equal(sketch.numpy(), ref.count_sketch(x.numpy(), rows, cols, seed))
+    np.testing.assert_array_equal(ops.count_sketch_query(sketch, n, seed).numpy(),
+                                  ref.count_sketch_query(sketch.numpy(), n, seed))
+
+
+def test_sketches_are_exactly_linear():
+    rng = np.random.default_rng(0)  # integer values: every float32 sum is exact
+    a = rng.integers(-1000, 1000, 50_000).astype(np.float32)
+    b = rng.integers(-1000, 1000, 50_000).astype(np.float32)
+    s = lambda v: ops.count_sketch(v, 5, 2000, seed=7).numpy()  # noqa: E731
+    np.testing.assert_array_equal(s(a) + s(b), s(a + b))
+    np.testing.assert_array_equal(2 * s(a), s(2 * a))
+
+
+def test_planted_heavy_hitters_are_recovered():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(200_000).astype(np.float32) * 0.01
+    planted = rng.choice(x.size, 50, replace=False)
+    x[planted] = rng.choice([-1, 1], 50) * rng.uniform(5, 10, 50)
+    estimate = ops.count_sketch_query(ops.count_sketch(x, 5, 20_000, seed=3), x.size, seed=3)
+    _, found = ops.top_k_abs(estimate, 50)
+    assert set(found.numpy()) == set(planted)
+    np.testing.assert_allclose(estimate.numpy()[planted], x[planted], atol=0.2)
+
+
+def test_different_seeds_hash_differently_and_rows_differ():
+    buckets0, _ = ref.sketch_hash(0, 0, 1000, 97)
+    assert not np.array_equal(buckets0, ref.sketch_hash(1, 0, 1000, 97)[0])
+    assert not np.array_equal(buckets0, ref.sketch_hash(0, 1, 1000, 97)[0])
+    assert set(np.unique(buckets0)) == set(range(97))  # every bucket used
+
+
+def test_non_finite_values_reach_the_estimate():
+    x = np.ones(1000, np.float32)
+    x[10] = np.nan
+    estimate = ops.count_sketch_query(ops.count_sketch(x, 3, 64), 1000)
+    assert np.isnan(estimate.numpy()[10])
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 10), (3, 0), (2.5, 10)])
+def test_bad_sizes_are_refused(rows, cols):
+    with pytest.raises(ValueError, match="rows|cols"):
+        ops.count_sketch(tf.ones([10]), rows, cols)
+
+
+def test_shapes_inside_tf_function():
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int64)])
+    def f(x, n):
+        sketch = ops.count_sketch(x, 3, 11)
+        assert sketch.shape.as_list() == [3, 11]
+        estimate = ops.count_sketch_query(sketch, n)
+        assert estimate.shape.as_list() == [None]
+        return estimate
+
+    assert f(tf.ones([20]), tf.constant(20, tf.int64)).shape == [20]

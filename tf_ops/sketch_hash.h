@@ -1,0 +1,37 @@
+// The count-sketch hash: bucket and sign of coordinate i in row j, from the
+// seed alone (splitmix64 mixing, Lemire's multiply-shift range reduction).
+// Must match sketch_hash in tests/np_reference.py.
+#ifndef HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_
+#define HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_
+
+#include <cstdint>
+
+namespace hvd_compress {
+
+inline uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Per-row key: computed once per row, then combined with each coordinate.
+inline uint64_t RowKey(int64_t seed, int64_t row) {
+  return Mix64(static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull +
+               static_cast<uint64_t>(row + 1) * 0xD1B54A32D192ED03ull);
+}
+
+struct BucketSign {
+  int64_t bucket;
+  float sign;
+};
+
+inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t cols) {
+  const uint64_t z = Mix64(row_key + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull);
+  const uint64_t high = z >> 32;
+  return {static_cast<int64_t>((high * static_cast<uint64_t>(cols)) >> 32),
+          (z & 1) ? -1.0f : 1.0f};
+}
+
+}  // namespace hvd_compress
+
+#endif  // HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_

@@ -1,0 +1,55 @@
+// Op registrations for count sketches (sketched SGD, Ivkin et al., NeurIPS 2019).
+//
+// Row j hashes coordinate i to bucket h_j(i) in [0, cols) with sign s_j(i) in
+// {-1, +1}, both derived from (seed, j, i) by SketchHash in sketch_hash.h:
+// nothing d-sized is stored or sent, and every rank and platform agrees.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace hvd_compress {
+
+using tensorflow::shape_inference::DimensionHandle;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+REGISTER_OP("CountSketch")
+    .Input("x: T")
+    .Output("sketch: float")
+    .Attr("T: {float, half, bfloat16}")
+    .Attr("rows: int >= 1")
+    .Attr("cols: int >= 1")
+    .Attr("seed: int = 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t rows, cols;
+      TF_RETURN_IF_ERROR(c->GetAttr("rows", &rows));
+      TF_RETURN_IF_ERROR(c->GetAttr("cols", &cols));
+      c->set_output(0, c->Matrix(rows, cols));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Count sketch of x (flattened): sketch[j, h_j(i)] += s_j(i) * x[i], summed in
+float32 in increasing i. Linear in x.
+)doc");
+
+REGISTER_OP("CountSketchQuery")
+    .Input("sketch: float")
+    .Input("n: int64")
+    .Output("estimate: float")
+    .Attr("seed: int = 0")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle sketch, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &sketch));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(1, &n));
+      c->set_output(0, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Estimate of every coordinate i < n: the median over rows j of
+s_j(i) * sketch[j, h_j(i)] (for an even number of rows, the mean of the two
+middle values).
+)doc");
+
+}  // namespace hvd_compress
