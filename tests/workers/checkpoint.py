@@ -16,7 +16,7 @@ import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "savedmodel", "h5"], "How to save.")
-flags.DEFINE_string("compression", "onebit", "onebit, topk, randomk or sketch.")
+flags.DEFINE_string("compression", "onebit", "onebit, topk, randomk, sketch, or sgp (PushSumOptimizer).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the trained model here (model.save).")
 FLAGS = flags.FLAGS
@@ -34,11 +34,14 @@ def new_model_and_optimizer(keras):
     compression = {"onebit": hc.Compression.onebit(block_size=512),
                    "topk": hc.Compression.topk(ratio=0.02),
                    "randomk": hc.Compression.randomk(ratio=0.05),
-                   "sketch": hc.Compression.sketch(ratio=4)}[FLAGS.compression]
+                   "sketch": hc.Compression.sketch(ratio=4), "sgp": None}[FLAGS.compression]
     model = digits.cnn(keras, seed=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True),
-                                  compression=compression)
+    sgd = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
+    if FLAGS.compression == "sgp":  # overlap, so the mass in flight must be restored too
+        opt = hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
+    else:
+        opt = hc.DistributedOptimizer(sgd, compression=compression)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, opt, compression
 
@@ -81,7 +84,8 @@ def main(_):
     state = [v.numpy() for v in opt.variables]
     report(hvd, model=digest(model.get_weights()), optimizer=digest(state),
            num_optimizer_variables=len(state), iterations=int(opt.iterations.numpy()),
-           residual_norm=float(opt.compression_exchange.residual_norm()))
+           residual_norm=float(opt.compression_exchange.residual_norm() if FLAGS.compression != "sgp"
+                               else opt.pushsum.in_flight[-1]))
 
 
 if __name__ == "__main__":

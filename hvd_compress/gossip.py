@@ -1,0 +1,222 @@
+"""Stochastic Gradient Push: decentralized PushSum training over hvd.alltoall.
+
+Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep
+Learning", ICML 2019. Each rank i keeps a PushSum numerator x_i and weight w_i;
+the model (the Keras variables) holds the de-biased z_i = x_i / w_i. Per step:
+
+    z_i <- wrapped optimizer step on z_i (its own gradient, no allreduce)
+    x_i = w_i z_i
+    send (x_i, w_i) / (p + 1) to each of the p out-peers of step t, keep that share
+    x_i, w_i <- kept share + everything received;  z_i = x_i / w_i
+
+Every step's mixing matrix is column-stochastic (each rank splits all of its
+mass), so sum_i w_i = n and sum_i x_i are preserved, and ranks reach consensus
+on the average. Graphs (out-peers of rank i at step t, L = ceil(log2 n)):
+- "exponential": i + 2^(t mod L)                      (the paper's, 1 peer)
+- "exponential2": i + 2^(t mod L), i + 2^((t+1) mod L)  (2 peers)
+- "ring": i + 1                                       (static)
+all mod n, for any n >= 2. Transport: one hvd.alltoall per step whose splits
+are zero except for the peers; every rank calls it every step.
+
+overlap=True (overlap SGP): the message sent at step t is mixed in at step
+t + 1 (held in a variable meanwhile), so it can travel while the next gradient
+is computed; the PushSum weights account for the mass in flight.
+average_every=H: an exact allreduce average every H steps (0: never).
+"""
+import math
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_compress import exchange
+from hvd_compress.keras_compat import require_legacy_keras
+
+GRAPHS = ("exponential", "exponential2", "ring")
+
+
+def out_peers(graph, rank, size, step):
+    """The ranks that `rank` sends to at `step` (a Python function of Python ints)."""
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}.")
+    phases = max(1, math.ceil(math.log2(size)))
+    if graph == "ring":
+        hops = [1]
+    elif graph == "exponential":
+        hops = [2 ** (step % phases)]
+    else:
+        hops = [2 ** (step % phases), 2 ** ((step + 1) % phases)]
+    peers = []
+    for hop in hops:
+        peer = (rank + hop) % size
+        if peer != rank and peer not in peers:
+            peers.append(peer)
+    return peers
+
+
+def schedule_period(graph, size):
+    """Steps after which a graph's schedule repeats."""
+    return 1 if graph == "ring" else max(1, math.ceil(math.log2(size)))
+
+
+def mixing_matrix(graph, size, step):
+    """P[j, i]: the share of rank i's mass that rank j holds after step (columns sum to 1)."""
+    matrix = np.zeros((size, size))
+    for i in range(size):
+        peers = out_peers(graph, i, size, step)
+        share = 1.0 / (len(peers) + 1)
+        matrix[i, i] += share
+        for j in peers:
+            matrix[j, i] += share
+    return matrix
+
+
+class PushSum:
+    """The gossip step for a fixed list of variables; state through the given factory."""
+
+    def __init__(self, graph, overlap, average_every, process_set, name="hc.pushsum"):
+        if graph not in GRAPHS:
+            raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}.")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}.")
+        if average_every is not None and (isinstance(average_every, bool) or
+                                          not isinstance(average_every, int) or average_every < 0):
+            raise ValueError(f"average_every must be None, 0 (never) or a positive number of steps, "
+                             f"got {average_every!r}.")
+        self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
+        self.process_set, self.name = process_set, name
+        self.built = False
+
+    def build(self, variables, new_variable):
+        if self.built:
+            return
+        self.variable_ids = [id(v) for v in variables]
+        self.shapes = [v.shape for v in variables]
+        self.sizes = [int(v.shape.num_elements()) for v in variables]
+        self.size, self.rank = self.process_set.size(), self.process_set.rank()
+        if self.size < 2:
+            raise ValueError("PushSumOptimizer needs at least 2 ranks.")
+        self.weight = new_variable([], "pushsum_weight", 1.0)
+        d = sum(self.sizes) + 1
+        self.in_flight = new_variable([d], "pushsum_in_flight", 0.0) if self.overlap else None
+        # Bytes one rank sends per step: (d + 1) floats to each out-peer.
+        peers = max(len(out_peers(self.graph, self.rank, self.size, t))
+                    for t in range(schedule_period(self.graph, self.size)))
+        self.bytes_sent = 4 * d * peers
+        self.built = True
+
+    def _send(self, payload, step):
+        """alltoall of `payload` to this step's out-peers; returns the sum of what arrives."""
+        period = schedule_period(self.graph, self.size)
+        d = payload.shape[0]
+
+        def for_phase(phase):
+            peers = out_peers(self.graph, self.rank, self.size, phase)
+            splits = [d if r in peers else 0 for r in range(self.size)]
+            senders = [r for r in range(self.size) if self.rank in out_peers(self.graph, r, self.size, phase)]
+            outgoing = tf.tile(payload, [len(peers)])
+            received, _ = hvd.alltoall(outgoing, splits=splits, process_set=self.process_set,
+                                       name=f"{self.name}.phase{phase}")
+            return tf.reduce_sum(tf.reshape(received, [len(senders), d]), axis=0)
+
+        if period == 1:
+            return for_phase(0)
+        branches = [lambda p=p: for_phase(p) for p in range(period)]
+        return tf.switch_case(tf.cast(step % period, tf.int32), branches)
+
+    def __call__(self, variables, step):
+        """One gossip round on the (already locally updated) variables z."""
+        w = self.weight
+        x = tf.concat([tf.reshape(v, [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
+        peers = len(out_peers(self.graph, self.rank, self.size, 0))
+        share = x / float(peers + 1)
+        received = self._send(share, step)
+        if self.overlap:
+            mixed = share + self.in_flight
+            self.in_flight.assign(received)
+        else:
+            mixed = share + received
+        if self.average_every:
+            mixed = tf.cond(tf.equal((step + 1) % self.average_every, 0),
+                            lambda: self._exact_average(mixed), lambda: mixed)
+        self._write(variables, mixed)
+
+    def _exact_average(self, mixed):
+        """Allreduce average of everything, mass in flight included (which is then zero)."""
+        total = mixed + self.in_flight if self.overlap else mixed
+        if self.overlap:
+            self.in_flight.assign(tf.zeros_like(self.in_flight))
+        return hvd.allreduce(total, op=hvd.Average, process_set=self.process_set,
+                             name=f"{self.name}.average")
+
+    def _write(self, variables, mixed):
+        w = mixed[-1]
+        self.weight.assign(w)
+        offset = 0
+        for v, size, shape in zip(variables, self.sizes, self.shapes):
+            v.assign(tf.reshape(mixed[offset:offset + size] / w, shape))
+            offset += size
+
+
+class _PushSumOptimizerMixin:
+    def _hc_init(self, pushsum):
+        object.__setattr__(self, "_hc_pushsum", pushsum)
+
+    @property
+    def pushsum(self):
+        return self._hc_pushsum
+
+    def build(self, var_list):
+        super().build(var_list)
+        self._hc_pushsum.build(list(var_list), lambda shape, name, value: self.add_variable(
+            shape, tf.float32, initializer=tf.keras.initializers.Constant(value), name=f"hc_{name}"))
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        pairs = list(grads_and_vars)
+        variables = [v for _, v in pairs]
+        with tf.init_scope():
+            self.build(variables)
+        if [id(v) for v in variables] != self._hc_pushsum.variable_ids:
+            raise ValueError("PushSumOptimizer needs the same variables, in the same order, at every step.")
+        step = tf.identity(self.iterations)
+        iteration = super().apply_gradients(pairs, name=name, **kwargs)
+        self._hc_pushsum(variables, step)
+        return iteration
+
+
+def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_every=None,
+                     process_set=hvd.global_process_set):
+    """Wraps a tf_keras optimizer for Stochastic Gradient Push (see the module docstring).
+
+    No gradient allreduce happens: each rank steps on its own gradient, then
+    gossips its parameters. Use `consensus(model)` to evaluate or save the
+    average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
+    """
+    keras = require_legacy_keras()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a tf_keras optimizer, got {type(optimizer).__name__}.")
+    pushsum = PushSum(graph, overlap, average_every, process_set)
+    base = optimizer.__class__
+    cls = type(base.__name__, (_PushSumOptimizerMixin, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._hc_init(pushsum)
+    return wrapped
+
+
+def consensus(model, process_set=hvd.global_process_set):
+    """Sets every rank's model to the exact average of all ranks' models (a collective).
+
+    For evaluation and export: the model to save is the average. Training can
+    go on afterwards (the average is a valid PushSum state with weight 1 on
+    every rank when no message is in flight).
+    """
+    for i, v in enumerate(model.weights):
+        v.assign(hvd.allreduce(v, op=hvd.Average, process_set=process_set, name=f"hc.consensus.{i}"))
+
+
+def parameter_spread(model, process_set=hvd.global_process_set):
+    """Max over parameters of (max - min across ranks): how far the ranks are from consensus."""
+    flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_weights], 0)
+    high = hvd.allreduce(flat, op=hvd.Max, process_set=process_set, name="hc.spread.max")
+    low = hvd.allreduce(flat, op=hvd.Min, process_set=process_set, name="hc.spread.min")
+    return float(tf.reduce_max(high - low))
