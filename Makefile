@@ -20,6 +20,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/ops_throughput.py
 	$(PY) benchmarks/bytes_per_step.py
+	$(PY) benchmarks/straggler.py
 
 clean:
 	rm -rf build hvd_compress/_tf_ops.so

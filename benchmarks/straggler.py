@@ -1,0 +1,114 @@
+"""Step time with one slow rank: allreduce SGD beside SGP and overlap SGP.
+
+    .venv/bin/python benchmarks/straggler.py [--ranks=4] [--delay_ms=100]
+
+Rank 1 sleeps `delay_ms` before every step (a straggler). The paper's claim is
+that gossip tolerates stragglers better than allreduce. On Horovod every
+collective, alltoall included, is negotiated by all ranks of its process set
+and runs in lockstep, so a slow rank delays everyone's gossip too; this
+measures how much of the claim survives. Prints a markdown table and writes
+results/straggler.json.
+"""
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+import results  # noqa: E402
+
+flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
+flags.DEFINE_integer("ranks", 4, "Ranks.")
+flags.DEFINE_integer("delay_ms", 100, "Sleep of the slow rank before each step.")
+flags.DEFINE_integer("steps", 30, "Timed steps.")
+flags.DEFINE_string("method", "allreduce", "worker: allreduce, sgp or sgp_overlap.")
+flags.DEFINE_integer("delay", 0, "worker: this run's delay in ms.")
+flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
+flags.DEFINE_string("out", "results/straggler.json", "launcher: the table's JSON.")
+FLAGS = flags.FLAGS
+LAYERS = [512, 1024, 1024, 10]  # 1.6M parameters
+
+
+def worker():
+    import hvd_compress as hc
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((LAYERS[0],))] + [
+        keras.layers.Dense(u, activation="relu" if i < len(LAYERS) - 2 else None)
+        for i, u in enumerate(LAYERS[1:])])
+    sgd = keras.optimizers.SGD(0.01, momentum=0.9)
+    opt = (hc.DistributedOptimizer(sgd) if FLAGS.method == "allreduce" else
+           hc.PushSumOptimizer(sgd, overlap=FLAGS.method == "sgp_overlap"))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x = tf.random.normal([32, LAYERS[0]])
+    y = tf.random.uniform([32], 0, LAYERS[-1], tf.int64)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    for _ in range(3):
+        step().numpy()
+    times = []
+    for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        if hvd.rank() == 1 and FLAGS.delay:
+            time.sleep(FLAGS.delay / 1000)
+        step().numpy()
+        times.append(time.perf_counter() - start)
+    # Every rank's median, so the fast ranks' view is visible too.
+    medians = hvd.allgather_object(1000 * statistics.median(times), name="medians")
+    if hvd.rank() == 0:
+        pathlib.Path(FLAGS.result).write_text(json.dumps(medians))
+
+
+def launch(method, delay):
+    with tempfile.TemporaryDirectory() as tmp:
+        result = pathlib.Path(tmp) / "result.json"
+        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
+        cmd = [str(horovodrun), "-np", str(FLAGS.ranks), "-H", f"localhost:{FLAGS.ranks}", "--gloo",
+               sys.executable, __file__, "--role=worker", f"--method={method}", f"--delay={delay}",
+               f"--result={result}", f"--steps={FLAGS.steps}"]
+        env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+        subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+        return json.loads(result.read_text())
+
+
+def main(_):
+    if FLAGS.role == "worker":
+        return worker()
+    rows = []
+    for method in ("allreduce", "sgp", "sgp_overlap"):
+        for delay in (0, FLAGS.delay_ms):
+            medians = launch(method, delay)
+            rows.append(dict(method=method, delay_ms=delay, median_step_ms=medians))
+            print(f"{method} delay {delay} ms: median step per rank {[round(m, 1) for m in medians]}",
+                  flush=True)
+    print(f"\n{FLAGS.ranks} ranks, rank 1 sleeps before every step; median step time in ms "
+          "(fastest rank / slowest rank)\n")
+    print("| method | no straggler | straggler | added by the straggler |")
+    print("|---|---:|---:|---:|")
+    for method in ("allreduce", "sgp", "sgp_overlap"):
+        calm, slow = [r["median_step_ms"] for r in rows if r["method"] == method]
+        print(f"| {method} | {min(calm):.1f} / {max(calm):.1f} | {min(slow):.1f} / {max(slow):.1f} | "
+              f"{min(slow) - min(calm):.1f} |")
+    results.save(FLAGS.out, rows)
+
+
+if __name__ == "__main__":
+    app.run(main)
