@@ -18,15 +18,13 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+import launch  # noqa: E402
 import results  # noqa: E402
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
@@ -67,7 +65,6 @@ def loopback_bytes():
 
 
 def worker():
-    import numpy as np
     import hvd_compress as hc
     import tensorflow as tf
     import horovod.tensorflow as hvd
@@ -75,9 +72,7 @@ def worker():
     keras = hc.require_legacy_keras()
     hvd.init()
     tf.keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.layers.Input((LAYERS[0],))] + [
-        keras.layers.Dense(units, activation="relu" if i < len(LAYERS) - 2 else None)
-        for i, units in enumerate(LAYERS[1:])])
+    model = launch.mlp(keras, LAYERS)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
                                   **method_options(hc, FLAGS.method))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -123,27 +118,16 @@ def worker():
             fp32_allreduce=ex.uncompressed_bytes, step_ms=1000 * statistics.median(times))))
 
 
-def launch(method, ranks):
-    with tempfile.TemporaryDirectory() as tmp:
-        result = pathlib.Path(tmp) / "result.json"
-        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
-        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
-               __file__, "--role=worker", f"--method={method}", f"--result={result}",
-               f"--steps={FLAGS.steps}", f"--batch_size={FLAGS.batch_size}"]
-        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(max(1, os.cpu_count() // ranks)),
-                   TF_NUM_INTEROP_THREADS="1")
-        subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
-        return json.loads(result.read_text())
-
-
 def main(_):
     if FLAGS.role == "worker":
         return worker()
     rows = []
     for ranks in map(int, FLAGS.ranks):
         for method in FLAGS.methods:
-            rows.append(launch(method, ranks))
+            rows.append(launch.run_worker(
+                __file__, ranks, [f"--method={method}", f"--steps={FLAGS.steps}",
+                                  f"--batch_size={FLAGS.batch_size}"],
+                threads_per_rank=max(1, os.cpu_count() // ranks)))
             r = rows[-1]
             print(f"n={ranks} {method}: accounted {r['accounted']:.0f} B, loopback {r['loopback']:.0f} B, "
                   f"step {r['step_ms']:.1f} ms", flush=True)

@@ -13,15 +13,13 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+import launch  # noqa: E402
 import results  # noqa: E402
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
@@ -44,9 +42,7 @@ def worker():
     keras = hc.require_legacy_keras()
     hvd.init()
     tf.keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.layers.Input((LAYERS[0],))] + [
-        keras.layers.Dense(u, activation="relu" if i < len(LAYERS) - 2 else None)
-        for i, u in enumerate(LAYERS[1:])])
+    model = launch.mlp(keras, LAYERS)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     opt = (hc.DistributedOptimizer(sgd) if FLAGS.method == "allreduce" else
            hc.PushSumOptimizer(sgd, overlap=FLAGS.method == "sgp_overlap"))
@@ -76,26 +72,14 @@ def worker():
         pathlib.Path(FLAGS.result).write_text(json.dumps(medians))
 
 
-def launch(method, delay):
-    with tempfile.TemporaryDirectory() as tmp:
-        result = pathlib.Path(tmp) / "result.json"
-        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
-        cmd = [str(horovodrun), "-np", str(FLAGS.ranks), "-H", f"localhost:{FLAGS.ranks}", "--gloo",
-               sys.executable, __file__, "--role=worker", f"--method={method}", f"--delay={delay}",
-               f"--result={result}", f"--steps={FLAGS.steps}"]
-        env = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
-        subprocess.run(cmd, check=True, timeout=900, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
-        return json.loads(result.read_text())
-
-
 def main(_):
     if FLAGS.role == "worker":
         return worker()
     rows = []
     for method in ("allreduce", "sgp", "sgp_overlap"):
         for delay in (0, FLAGS.delay_ms):
-            medians = launch(method, delay)
+            medians = launch.run_worker(__file__, FLAGS.ranks, [f"--method={method}", f"--delay={delay}",
+                                                                f"--steps={FLAGS.steps}"])
             rows.append(dict(method=method, delay_ms=delay, median_step_ms=medians))
             print(f"{method} delay {delay} ms: median step per rank {[round(m, 1) for m in medians]}",
                   flush=True)

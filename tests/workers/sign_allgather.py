@@ -8,7 +8,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import np_reference as ref
 from _worker import report
-from hvd_compress import Compression, ops
+from hvd_compress import Compression
 
 flags.DEFINE_integer("n", 10007, "Elements per rank.")
 FLAGS = flags.FLAGS

@@ -1,6 +1,5 @@
 """Trains the digits CNN with PushSumOptimizer (SGP), logs the per-rank parameter spread,
 and evaluates the consensus (allreduce-averaged) model."""
-import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
