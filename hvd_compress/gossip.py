@@ -29,7 +29,6 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange
 from hvd_compress.keras_compat import require_legacy_keras
 
 GRAPHS = ("exponential", "exponential2", "ring")
