@@ -30,7 +30,7 @@ import results  # noqa: E402
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
 flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk",
-                             "sketch4", "sketch32"],
+                             "sketch4", "sketch32", "powersgd4"],
                   "Methods to run.")
 flags.DEFINE_string("method", "fp32", "worker: the method.")
 flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
@@ -53,6 +53,7 @@ def method_options(hc, method):
         "randomk": dict(compression=hc.Compression.randomk(ratio=0.01)),
         "sketch4": dict(compression=hc.Compression.sketch(ratio=4)),
         "sketch32": dict(compression=hc.Compression.sketch(ratio=32)),
+        "powersgd4": dict(compression=hc.Compression.powersgd(rank=4)),
     }[method]
 
 
@@ -106,6 +107,9 @@ def worker():
     if FLAGS.method.startswith("sketch"):  # ring allreduce of r c + k floats, whatever n
         k, rows, cols = ex.exchanges[0].k, ex.exchanges[0].rows, ex.exchanges[0].cols
         formula = 2 * (n - 1) / n * 4 * (rows * cols + k + dense)
+    if FLAGS.method.startswith("powersgd"):  # ring allreduces of P [n, r] and Q [m, r] per matrix
+        formula = 2 * (n - 1) / n * 4 * (sum(e.compressor.rank * sum(mat) for e in ex.exchanges
+                                             for mat in e.matrices) + dense)
     if FLAGS.method.startswith("onebit"):
         num_blocks = sum(len(e.bounds) - 1 for e in ex.exchanges)
         bytes_per_element = 1 / 8 + 4 * num_blocks / compressed if block is None else 1 / 8 + 4 / block

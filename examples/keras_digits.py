@@ -13,12 +13,13 @@ import horovod.tensorflow.keras as hvd
 
 import digits
 
-flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk", "sketch"],
+flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk", "sketch", "powersgd"],
                   "Gradient compression.")
 flags.DEFINE_bool("two_way", True, "onebit: compress the averaged update again on a sharded server.")
 flags.DEFINE_integer("block_size", None, "onebit: elements per scale (default: one block per tensor).")
 flags.DEFINE_float("ratio", 0.01, "topk/randomk: fraction of each bucket sent.")
 flags.DEFINE_float("sketch_ratio", 4.0, "sketch: compression of bytes per step (sizes chosen from it).")
+flags.DEFINE_integer("rank", 4, "powersgd: rank of the approximation.")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
@@ -34,6 +35,7 @@ def compression_from_flags():
         "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
         "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio, seed=FLAGS.seed),
         "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed),
+        "powersgd": lambda: hc.Compression.powersgd(rank=FLAGS.rank, seed=FLAGS.seed),
     }[FLAGS.compression]()
 
 

@@ -63,6 +63,10 @@ class StatefulCompressor(Compressor):
     #: the collective the payload needs, for the error message
     collective = "allgather"
 
+    def compresses(self, shape):
+        """Whether a tensor of this shape is worth compressing (others travel uncompressed)."""
+        return True
+
     @classmethod
     def compress(cls, tensor):
         raise TypeError(
@@ -197,6 +201,48 @@ class RandomKCompressor(TopKCompressor):
         return (k + 1) * element_bytes
 
 
+class PowerSGDCompressor(StatefulCompressor):
+    """PowerSGD low-rank compression (Vogels, Karimireddy, Jaggi, NeurIPS 2019).
+
+    A tensor is viewed as a matrix M [n, m] (a conv kernel [kh, kw, in, out]
+    as [kh kw in, out]); with the error e and a Q [m, r] kept from the last
+    step (warm start):
+        M = g + e;  P = allreduce_mean(M Q);  P = orthogonalize(P)
+        Q = allreduce_mean(M^T P);  D = P Q^T;  e = M - D
+    P and Q of all tensors of a bucket travel in one fused allreduce each.
+    A tensor that r (n + m) values would not shrink by `min_compression`
+    travels uncompressed.
+    """
+
+    collective = "allreduce of low-rank factors"
+
+    def __init__(self, rank=4, min_compression=2.0, warm_start=True, seed=0):
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank!r}.")
+        if not isinstance(min_compression, (int, float)) or min_compression < 1:
+            raise ValueError(f"min_compression must be a number >= 1, got {min_compression!r}.")
+        self.rank, self.min_compression = int(rank), float(min_compression)
+        self.warm_start, self.seed = bool(warm_start), int(seed)
+
+    def __repr__(self):
+        return (f"Compression.powersgd(rank={self.rank}, min_compression={self.min_compression}, "
+                f"warm_start={self.warm_start}, seed={self.seed})")
+
+    @staticmethod
+    def matrix_shape(shape):
+        """[n, m] of a tensor viewed as a matrix (last dimension = columns)."""
+        shape = [int(d) for d in shape]
+        return [int(np.prod(shape[:-1])), shape[-1]] if len(shape) >= 2 else None
+
+    def compresses(self, shape):
+        matrix = self.matrix_shape(shape)
+        return matrix is not None and matrix[0] * matrix[1] >= self.min_compression * self.rank * sum(matrix)
+
+    def payload_bytes(self, shapes):
+        """Float32 values of P and Q that one worker contributes, over these tensors."""
+        return 4 * sum(self.rank * sum(self.matrix_shape(s)) for s in shapes)
+
+
 class Compression:
     """The compressors, by name (like horovod.tensorflow.Compression)."""
 
@@ -205,6 +251,7 @@ class Compression:
     onebit = OneBitCompressor
     topk = TopKCompressor
     randomk = RandomKCompressor
+    powersgd = PowerSGDCompressor
 
     @staticmethod
     def sketch(ratio=None, k=None, rows=None, cols=None, second_round=True, seed=0):

@@ -220,3 +220,37 @@ class SketchAllreduce:
             values = tf.gather(estimate, indices)
         sent = ops.scatter_dense(indices, local, self.n)
         return sent, ops.scatter_dense(indices, values, self.n) / self.size, indices
+
+
+class LowRankAllreduce:
+    """PowerSGD: per tensor P = M Q and Q = M^T P, each fused over the bucket into one allreduce."""
+
+    def __init__(self, compressor, shapes, size, process_set, name):
+        self.compressor, self.size, self.process_set, self.name = compressor, size, process_set, name
+        self.matrices = [compressor.matrix_shape(s) for s in shapes]
+        self.bytes_sent = (allreduce_bytes(4 * compressor.rank * sum(n for n, _ in self.matrices), size)
+                           + allreduce_bytes(4 * compressor.rank * sum(m for _, m in self.matrices), size))
+
+    def _fused_mean(self, factors, name):
+        flat = hvd.allreduce(tf.concat([tf.reshape(f, [-1]) for f in factors], 0), op=hvd.Average,
+                             process_set=self.process_set, name=name)
+        out, offset = [], 0
+        for f in factors:
+            size = int(np.prod(f.shape))
+            out.append(tf.reshape(flat[offset:offset + size], f.shape))
+            offset += size
+        return out
+
+    def __call__(self, flat, qs):
+        """Returns (the mean low-rank update D, the new Q factors)."""
+        ms, offset = [], 0
+        for n, m in self.matrices:
+            ms.append(tf.reshape(flat[offset:offset + n * m], [n, m]))
+            offset += n * m
+        ps = self._fused_mean([tf.matmul(m, q) for m, q in zip(ms, qs)], self.name + ".p")
+        ps = [tf.linalg.qr(p)[0] for p in ps]  # orthonormal columns spanning P
+        new_qs = self._fused_mean([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)],
+                                  self.name + ".q")
+        update = tf.concat([tf.reshape(tf.matmul(p, q, transpose_b=True), [-1])
+                            for p, q in zip(ps, new_qs)], 0)
+        return update, new_qs

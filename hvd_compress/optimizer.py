@@ -29,7 +29,7 @@ model.save keep it):
 - sketch under SGD: sketched SGD (Ivkin et al., NeurIPS 2019), the same
   rule with a = lr u + e where u is the worker's momentum, and both u and e
   zeroed where the update was applied (hvd_compress/sketch.py).
-- Everything else (onebit or sketch under Adam etc., top-k, random-k): plain error
+- Everything else (onebit or sketch under Adam etc., top-k, random-k, PowerSGD): plain error
   feedback on gradients, a_i = g_i + e_i, D_i = C(a_i), e_i = a_i - D_i, and
   the mean D (server-compressed again for two-way onebit) is handed to the
   wrapped optimizer as the gradient, which applies its own momentum.
@@ -46,8 +46,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops
-from hvd_compress.compression import (Compression, OneBitCompressor, RandomKCompressor,
-                                      StatefulCompressor, TopKCompressor)
+from hvd_compress.compression import (Compression, OneBitCompressor, PowerSGDCompressor,
+                                      RandomKCompressor, StatefulCompressor, TopKCompressor)
 from hvd_compress.keras_compat import require_legacy_keras
 from hvd_compress.sketch import SketchCompressor
 
@@ -65,7 +65,8 @@ class Layout:
         for i, (v, size) in enumerate(zip(variables, self.sizes)):
             if size == 0:
                 self.empty.append(i)
-            elif compression.requires_optimizer and v.dtype.is_floating and size >= min_compress_size:
+            elif (compression.requires_optimizer and v.dtype.is_floating and size >= min_compress_size
+                  and compression.compresses(self.shapes[i])):
                 self.compressed.append(i)
             else:
                 self.dense.append(i)
@@ -95,8 +96,9 @@ def _new_variable_like(variable, name):
                        name=f"hc_{name}_{variable.name.split(':')[0].replace('/', '_')}")
 
 
-def _new_variable(shape, name):
-    return tf.Variable(tf.zeros(shape, tf.float32), trainable=False, name=f"hc_{name}")
+def _new_variable(shape, name, initializer=None):
+    value = initializer(shape, tf.float32) if initializer else tf.zeros(shape, tf.float32)
+    return tf.Variable(value, trainable=False, name=f"hc_{name}")
 
 
 class GradientExchange(tf.Module):
@@ -139,7 +141,7 @@ class GradientExchange(tf.Module):
                              self.fusion_threshold_bytes)
         size, rank = self.process_set.size(), self.process_set.rank()
         # Plan every exchange first: a bad size is refused before any collective runs.
-        self.exchanges, server_sizes = [], []
+        self.exchanges, server_sizes, low_rank = [], [], []
         for b, bucket in enumerate(self.layout.buckets):
             n = self.layout.bucket_size(bucket)
             name = f"{self.collective_name}.bucket{b}"
@@ -153,6 +155,10 @@ class GradientExchange(tf.Module):
                     server_sizes.append(ex.server_size)
                 else:
                     ex = exchange.SignAllgather(c, bounds, size, self.process_set, name)
+            elif isinstance(c, PowerSGDCompressor):
+                ex = exchange.LowRankAllreduce(c, [self.layout.shapes[i] for i in bucket], size,
+                                               self.process_set, name)
+                low_rank.extend((b, j, m) for j, (_, m) in enumerate(ex.matrices))
             elif isinstance(c, SketchCompressor):
                 ex = exchange.SketchAllreduce(c, n, size, self.process_set, name, salt=b)
             elif isinstance(c, RandomKCompressor):
@@ -169,6 +175,10 @@ class GradientExchange(tf.Module):
                         if direct_update else [])
         self.server_residuals = [new_variable([n], f"server_residual_{b}")
                                  for b, n in enumerate(server_sizes)]
+        # PowerSGD's Q factors: the same random start on every rank, then warm-started.
+        self.low_rank_q = [new_variable([m, self.compression.rank], f"powersgd_q_{b}_{j}",
+                                        self._shared_normal(b, j))
+                           for b, j, m in low_rank] if self.compression_warm_starts else []
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
         self.dense_exchange = exchange.DenseAllreduce(
             [variables[i] for i in self.layout.dense], dense_compression, size,
@@ -190,6 +200,23 @@ class GradientExchange(tf.Module):
             raise ValueError("hvd_compress: the ranks were started with different compression settings "
                              "or models, so their collectives would not match. Start every rank with "
                              f"the same arguments. Settings per rank:\n{lines}")
+
+    @property
+    def compression_warm_starts(self):
+        return isinstance(self.compression, PowerSGDCompressor) and self.compression.warm_start
+
+    def _shared_normal(self, bucket, j, step=0):
+        seed = tf.stack([tf.constant(self.compression.seed * (1 << 20) + bucket * 4096 + j, tf.int64),
+                         tf.cast(step, tf.int64)])
+        return lambda shape, dtype=tf.float32: tf.random.stateless_normal(shape, seed, dtype=dtype)
+
+    def _low_rank_qs(self, bucket, ex, step):
+        """This step's Q factors: warm-started variables, or fresh shared draws."""
+        if self.compression_warm_starts:
+            first = sum(len(e.matrices) for e in self.exchanges[:bucket])
+            return self.low_rank_q[first:first + len(ex.matrices)]
+        return [self._shared_normal(bucket, j, step)([m, self.compression.rank])
+                for j, (_, m) in enumerate(ex.matrices)]
 
     @property
     def bytes_sent(self):
@@ -243,6 +270,13 @@ class GradientExchange(tf.Module):
                 self.server_residuals[b].assign(new_server_residual)
             elif isinstance(ex, exchange.SharedRandomAllreduce):
                 sent, update = ex(flat, step, salt=b)
+            elif isinstance(ex, exchange.LowRankAllreduce):
+                qs = self._low_rank_qs(b, ex, step)
+                update, new_qs = ex(flat, qs)
+                sent = update  # PowerSGD's error is against the shared approximation
+                if self.compression_warm_starts:
+                    for q, new_q in zip(qs, new_qs):
+                        q.assign(new_q)
             elif isinstance(ex, exchange.SketchAllreduce):
                 sent, update, indices = ex(flat)
                 if self.momenta:  # sketched SGD zeroes the momentum where it applied the update
@@ -334,7 +368,8 @@ class _DistributedOptimizerMixin:
         self._hc_exchange.build(
             var_list,
             new_slot=lambda v, name: self.add_variable_from_reference(v, f"hc_{name}"),
-            new_variable=lambda shape, name: self.add_variable(shape, tf.float32, name=f"hc_{name}"),
+            new_variable=lambda shape, name, initializer="zeros": self.add_variable(
+                shape, tf.float32, initializer=initializer, name=f"hc_{name}"),
             direct_update=self._hc_direct_update())
         if self._hc_backward_passes > 1:
             self._hc_accumulated = [self.add_variable_from_reference(v, "hc_accumulated") for v in var_list]

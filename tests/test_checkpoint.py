@@ -10,7 +10,7 @@ from hvdrun import run_ranks
 
 @pytest.mark.parametrize("save_format, compression", [
     ("checkpoint", "onebit"), ("h5", "onebit"), ("savedmodel", "onebit"), ("checkpoint", "randomk"),
-    ("checkpoint", "sketch"), ("checkpoint", "sgp"),
+    ("checkpoint", "sketch"), ("checkpoint", "sgp"), ("h5", "powersgd"),
 ])
 def test_resume_in_a_new_process_matches_the_uninterrupted_run(tmp_path, save_format, compression):
     flags = [f"--format={save_format}", f"--compression={compression}", f"--work_dir={tmp_path}"]

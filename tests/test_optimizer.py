@@ -26,6 +26,7 @@ def baseline():
     (["--compression=topk", "--ratio=0.01"], "gloo", 8),
     (["--compression=randomk", "--ratio=0.1"], "gloo", 8),
     (["--compression=sketch", "--sketch_ratio=4.5"], "gloo", 4),  # >= 4x of all bytes, biases included
+    (["--compression=powersgd"], "gloo", 4),
     (["--compression=onebit", "--two_way"], "mpi", 8),
 ])
 def test_training_converges_next_to_the_uncompressed_baseline(baseline, flags, launcher, min_ratio):

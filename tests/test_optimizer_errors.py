@@ -155,3 +155,27 @@ def test_sketch_sizes_follow_the_ratio_and_bytes_are_r_c_plus_k():
     assert without.payload_bytes(1_000_000) == 4 * rows * without.sizes(1_000_000)[2]
     with pytest.raises(ValueError, match="larger than a bucket"):
         hc.Compression.sketch(k=50, cols=100).sizes(20)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rank=0), "rank must be a positive integer"),
+    (dict(rank=2.0), "rank must be a positive integer"),
+    (dict(min_compression=0.5), "min_compression"),
+])
+def test_powersgd_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hc.Compression.powersgd(**kwargs)
+
+
+def test_powersgd_compresses_only_what_it_shrinks():
+    kernel = tf.Variable(tf.ones([3, 3, 16, 32]))    # viewed as [144, 32]: 4608 vs 4 * 176: compressed
+    narrow = tf.Variable(tf.ones([2000, 2]))         # 4000 values vs 4 * 2002: would grow: dense
+    vector = tf.Variable(tf.ones([5000]))            # not a matrix: dense
+    opt = hc.DistributedOptimizer(sgd(), compression=hc.Compression.powersgd(rank=4))
+    opt.apply_gradients([(tf.ones([3, 3, 16, 32]), kernel), (tf.ones([2000, 2]), narrow),
+                         (tf.ones([5000]), vector)])
+    exchange = opt.compression_exchange
+    assert (exchange.layout.compressed, exchange.layout.dense) == ([0], [1, 2])
+    assert exchange.low_rank_q[0].shape == [32, 4]
+    # A rank-1 gradient is recovered exactly by a rank-4 approximation: no residual left.
+    assert float(exchange.residual_norm()) < 1e-5 * np.sqrt(4608)  # relative to |M| (float32)

@@ -2,7 +2,6 @@
 hold bit-identical parameters. Reports test accuracy and bytes per step."""
 import hashlib
 
-import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
@@ -27,7 +26,8 @@ def compression():
             "onebit": lambda: hc.Compression.onebit(),
             "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
             "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio),
-            "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio)}[FLAGS.compression]()
+            "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio),
+            "powersgd": lambda: hc.Compression.powersgd(rank=4)}[FLAGS.compression]()
 
 
 def weights_digest(model):

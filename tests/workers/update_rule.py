@@ -79,6 +79,24 @@ def reference_sparse(compression, size, nesterov):
     return x
 
 
+def reference_powersgd(compression, size, nesterov):
+    """PowerSGD with error feedback (float64 NumPy), then Keras SGD on the low-rank mean. The
+    update P P^T M does not depend on the signs QR picks, so NumPy's QR may differ from TF's."""
+    q = tf.random.stateless_normal([SHAPE[1], compression.rank],
+                                   tf.constant([compression.seed << 20, 0], tf.int64)).numpy().astype(np.float64)
+    e = [np.zeros(SHAPE) for _ in range(size)]
+    x, m = np.zeros(int(np.prod(SHAPE)), np.float32), np.zeros(int(np.prod(SHAPE)), np.float32)
+    for t in range(FLAGS.steps):
+        ms = [grads_of(r, t)[0].astype(np.float64) + e[r] for r in range(size)]
+        mean = np.mean(ms, axis=0)
+        p = np.linalg.qr(mean @ q)[0]
+        q = mean.T @ p
+        update = p @ q.T
+        e = [mr - update for mr in ms]
+        ref.keras_sgd(x, m, update.reshape(-1).astype(np.float32), RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+    return x
+
+
 def run_tape(block_size):
     """A custom loop: DistributedGradientTape with a GradientExchange, then plain SGD."""
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
@@ -144,6 +162,8 @@ def main(_):
                  lambda: reference_sparse(hc.Compression.topk(ratio=0.05), size, True)),
         "randomk": (hc.Compression.randomk(ratio=0.05, seed=3), True, True,
                     lambda: reference_sparse(hc.Compression.randomk(ratio=0.05, seed=3), size, True)),
+        "powersgd": (hc.Compression.powersgd(rank=3, seed=2), True, True,
+                     lambda: reference_powersgd(hc.Compression.powersgd(rank=3, seed=2), size, True)),
     }
     for name, (compression, two_way, nesterov, reference) in cases.items():
         w, b = run(compression, two_way, nesterov)
