@@ -76,19 +76,7 @@ def worker():
     model = launch.mlp(keras, LAYERS)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
                                   **method_options(hc, FLAGS.method))
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x = tf.random.normal([FLAGS.batch_size, LAYERS[0]])
-    y = tf.random.uniform([FLAGS.batch_size], 0, LAYERS[-1], tf.int64)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-
-    for _ in range(3):
-        step().numpy()
+    step = launch.warm_step(keras, model, opt, FLAGS.batch_size)
     hvd.allreduce(tf.zeros([1]), name="before").numpy()
     before, times = loopback_bytes(), []
     for _ in range(FLAGS.steps):

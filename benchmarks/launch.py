@@ -30,3 +30,25 @@ def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
         subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE)
         return json.loads(result.read_text())
+
+
+def warm_step(keras, model, optimizer, batch_size, warmup=3):
+    """A compiled training step on one fixed random batch, already run `warmup` times."""
+    import tensorflow as tf
+
+    width, classes = model.input_shape[-1], model.output_shape[-1]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x = tf.random.normal([batch_size, width])
+    y = tf.random.uniform([batch_size], 0, classes, tf.int64)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+
+    for _ in range(warmup):
+        step().numpy()
+    return step

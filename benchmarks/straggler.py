@@ -46,19 +46,7 @@ def worker():
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     opt = (hc.DistributedOptimizer(sgd) if FLAGS.method == "allreduce" else
            hc.PushSumOptimizer(sgd, overlap=FLAGS.method == "sgp_overlap"))
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x = tf.random.normal([32, LAYERS[0]])
-    y = tf.random.uniform([32], 0, LAYERS[-1], tf.int64)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-
-    for _ in range(3):
-        step().numpy()
+    step = launch.warm_step(keras, model, opt, 32)
     times = []
     for _ in range(FLAGS.steps):
         start = time.perf_counter()
