@@ -31,16 +31,17 @@ def allgather_bytes(payload_bytes, size):
     return (size - 1) * payload_bytes if size > 1 else 0.0
 
 
-def _as_bytes(tensor):
-    """Any tensor as a flat uint8 view (for fusing payloads of several dtypes)."""
-    return tf.reshape(tf.bitcast(tensor, tf.uint8), [-1]) if tensor.dtype != tf.uint8 else tensor
+def _sign_payload(bits, scales):
+    """One uint8 buffer per payload: the packed signs, then the float32 scales' bytes."""
+    return tf.concat([bits, tf.reshape(tf.bitcast(scales, tf.uint8), [-1])], 0)
 
 
-def _from_bytes(flat_bytes, dtype, count):
-    """Inverse of _as_bytes for `count` elements of dtype."""
-    if dtype == tf.uint8:
-        return tf.reshape(flat_bytes, [count])
-    return tf.reshape(tf.bitcast(tf.reshape(flat_bytes, [count, dtype.size]), dtype), [count])
+def _split_sign_payloads(buffer, count, num_bytes, num_blocks):
+    """Inverse of _sign_payload for `count` stacked payloads of one layout:
+    (bits uint8[count, num_bytes], scales float32[count, num_blocks])."""
+    rows = tf.reshape(buffer, [count, num_bytes + 4 * num_blocks])
+    scales = tf.bitcast(tf.reshape(rows[:, num_bytes:], [count, num_blocks, 4]), tf.float32)
+    return rows[:, :num_bytes], scales
 
 
 def poison(x):
@@ -82,14 +83,10 @@ class SignAllgather:
         bounds = tf.constant(self.bounds)
         bits, scales = self.compressor.encode(flat, bounds)
         sent = self.compressor.decode((bits, scales), bounds)
-        gathered = hvd.allgather(tf.concat([bits, _as_bytes(scales)], 0),
-                                 process_set=self.process_set, name=self.name)
-        gathered = tf.reshape(gathered, [self.size, self.num_bytes + 4 * self.num_blocks])
-        all_bits = gathered[:, :self.num_bytes]
-        all_scales = tf.reshape(tf.bitcast(tf.reshape(gathered[:, self.num_bytes:],
-                                                      [self.size, self.num_blocks, 4]), tf.float32),
-                                [self.size, self.num_blocks])
-        return sent, self.compressor.decode_mean((all_bits, all_scales), bounds)
+        gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.process_set,
+                                 name=self.name)
+        everyone = _split_sign_payloads(gathered, self.size, self.num_bytes, self.num_blocks)
+        return sent, self.compressor.decode_mean(everyone, bounds)
 
 
 class SignTwoWay:
@@ -122,8 +119,8 @@ class SignTwoWay:
         self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], size)
 
     def _shard_payloads(self, bits, scales):
-        return [tf.concat([bits[s["lo"] // 8:s["lo"] // 8 + s["num_bytes"]],
-                           _as_bytes(scales[s["first_block"]:s["last_block"]])], 0)
+        return [_sign_payload(bits[s["lo"] // 8:s["lo"] // 8 + s["num_bytes"]],
+                              scales[s["first_block"]:s["last_block"]])
                 for s in self.shards]
 
     def __call__(self, flat, server_residual):
@@ -135,24 +132,21 @@ class SignTwoWay:
         received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
                                    process_set=self.process_set, name=self.name + ".alltoall")
         mine = self.shards[self.rank]
-        received = tf.reshape(received, [self.size, mine["payload"]])
-        num_blocks = mine["last_block"] - mine["first_block"]
-        shard_bits = received[:, :mine["num_bytes"]]
-        shard_scales = tf.reshape(tf.bitcast(tf.reshape(received[:, mine["num_bytes"]:],
-                                                        [self.size, num_blocks, 4]), tf.float32),
-                                  [self.size, num_blocks])
         server_bounds = tf.constant(self.server_bounds)
-        averaged = self.compressor.decode_mean((shard_bits, shard_scales), server_bounds)
+        averaged = self.compressor.decode_mean(
+            _split_sign_payloads(received, self.size, mine["num_bytes"],
+                                 mine["last_block"] - mine["first_block"]), server_bounds)
         server_input = averaged + server_residual
         server_bits, server_scales = self.compressor.encode(server_input, server_bounds)
         server_sent = self.compressor.decode((server_bits, server_scales), server_bounds)
-        gathered = hvd.allgather(tf.concat([server_bits, _as_bytes(server_scales)], 0),
+        gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
                                  process_set=self.process_set, name=self.name + ".allgather")
         all_bits, all_scales, offset = [], [], 0
         for s in self.shards:
-            all_bits.append(gathered[offset:offset + s["num_bytes"]])
-            all_scales.append(_from_bytes(gathered[offset + s["num_bytes"]:offset + s["payload"]],
-                                          tf.float32, s["last_block"] - s["first_block"]))
+            bits_j, scales_j = _split_sign_payloads(gathered[offset:offset + s["payload"]], 1,
+                                                    s["num_bytes"], s["last_block"] - s["first_block"])
+            all_bits.append(bits_j[0])
+            all_scales.append(scales_j[0])
             offset += s["payload"]
         update = self.compressor.decode((tf.concat(all_bits, 0), tf.concat(all_scales, 0)), bounds)
         return sent, update, server_input - server_sent

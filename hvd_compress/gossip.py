@@ -30,6 +30,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress.keras_compat import require_legacy_keras
+from hvd_compress.optimizer import check_same_variables
 
 GRAPHS = ("exponential", "exponential2", "ring")
 
@@ -175,8 +176,7 @@ class _PushSumOptimizerMixin:
         variables = [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
-        if [id(v) for v in variables] != self._hc_pushsum.variable_ids:
-            raise ValueError("PushSumOptimizer needs the same variables, in the same order, at every step.")
+        check_same_variables(self._hc_pushsum.variable_ids, variables, "PushSumOptimizer")
         step = tf.identity(self.iterations)
         iteration = super().apply_gradients(pairs, name=name, **kwargs)
         self._hc_pushsum(variables, step)

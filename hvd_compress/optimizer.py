@@ -80,6 +80,8 @@ class Layout:
             current_bytes += nbytes
         if current:
             self.buckets.append(current)
+        #: position of a compressed variable among the per-variable slots
+        self.slot = {i: position for position, i in enumerate(self.compressed)}
 
     def bucket_size(self, bucket):
         return sum(self.sizes[i] for i in bucket)
@@ -117,7 +119,7 @@ class GradientExchange(tf.Module):
                  min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
                  fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc"):
         super().__init__(name=name.replace(".", "_"))
-        compression = _check_arguments(compression, two_way, op, 1, min_compress_size,
+        compression = _check_arguments(compression, two_way, op, min_compress_size,
                                        fusion_threshold_bytes)
         self.compression, self.two_way, self.process_set = compression, two_way, process_set
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
@@ -288,7 +290,7 @@ class GradientExchange(tf.Module):
                 update = update * self.process_set.size()
             for i in bucket:
                 size, shape = self.layout.sizes[i], self.layout.shapes[i]
-                self.residuals[self.layout.compressed.index(i)].assign(tf.reshape(residual[offset:offset + size], shape))
+                self.residuals[self.layout.slot[i]].assign(tf.reshape(residual[offset:offset + size], shape))
                 out[i] = tf.reshape(update[offset:offset + size], shape)
                 offset += size
         return out
@@ -298,25 +300,31 @@ class GradientExchange(tf.Module):
         offset = 0
         for i in bucket:
             size, shape = self.layout.sizes[i], self.layout.shapes[i]
-            m = self.momenta[self.layout.compressed.index(i)]
+            m = self.momenta[self.layout.slot[i]]
             m.assign(m * tf.reshape(keep[offset:offset + size], shape))
             offset += size
 
     def _error_fed(self, i, g, learning_rate, momentum, nesterov):
         """a_i: lr * (Nesterov) momentum + e_i in direct-update mode, else g_i + e_i."""
         g = tf.cast(g, tf.float32)
-        slot = self.layout.compressed.index(i)
-        e = self.residuals[slot]
+        e = self.residuals[self.layout.slot[i]]
         if not self.direct_update:
             return g + e
-        m = self.momenta[slot]
+        m = self.momenta[self.layout.slot[i]]
         m.assign(momentum * m + g)
         p = momentum * m + g if nesterov else tf.identity(m)
         return learning_rate * p + e
 
 
-def _check_arguments(compression, two_way, op, backward_passes_per_step, min_compress_size,
-                     fusion_threshold_bytes):
+def check_same_variables(expected_ids, variables, owner):
+    """The layout is planned for the variables of the first step: they must come again, in order."""
+    if [id(v) for v in variables] != expected_ids:
+        raise ValueError(f"{owner} plans its layout for the variables of the first step and needs the "
+                         "same variables, in the same order, at every step. Use one per list of "
+                         "variables.")
+
+
+def _check_arguments(compression, two_way, op, min_compress_size, fusion_threshold_bytes):
     if isinstance(compression, type) and issubclass(compression, StatefulCompressor):
         compression = compression()  # e.g. Compression.onebit passed uncalled: its defaults
     if not hasattr(compression, "requires_optimizer"):
@@ -327,10 +335,6 @@ def _check_arguments(compression, two_way, op, backward_passes_per_step, min_com
     if compression.requires_optimizer and op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum with {compression!r}; Adasum and other "
                          "reductions do not apply to compressed payloads.")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                         f"{backward_passes_per_step!r}.")
     if not isinstance(min_compress_size, int) or min_compress_size < 1:
         raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
     if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
@@ -382,10 +386,7 @@ class _DistributedOptimizerMixin:
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
-        if [id(v) for v in variables] != self._hc_exchange.variable_ids:
-            raise ValueError("hvd_compress.DistributedOptimizer plans its layout for the variables of "
-                             "the first step and needs the same variables, in the same order, at every "
-                             "step. Use one optimizer per set of variables.")
+        check_same_variables(self._hc_exchange.variable_ids, variables, "hvd_compress.DistributedOptimizer")
         if self._hc_backward_passes == 1:
             return self._hc_apply(grads, variables, name)
         return self._hc_apply_every_k_passes(grads, variables, name)
@@ -458,18 +459,19 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError(f"optimizer must be a tf_keras optimizer (tf.keras.optimizers.*), got "
                         f"{type(optimizer).__name__}. Legacy (tf.keras.optimizers.legacy) and Keras 3 "
                         "optimizers are not supported.")
-    compression = _check_arguments(compression, two_way, op, backward_passes_per_step,
-                                   min_compress_size, fusion_threshold_bytes)
-    if compression.requires_optimizer and getattr(optimizer, "use_ema", False):
-        raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                         f"{backward_passes_per_step!r}.")
     base = optimizer.__class__
+    exchange_ = GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
+                                 sparse_as_dense, min_compress_size, fusion_threshold_bytes,
+                                 name=name or f"hc.{base.__name__}")
+    if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
+        raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
     cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
     wrapped = cls.from_config(optimizer.get_config())
-    wrapped._hc_init(
-        GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
-                         sparse_as_dense, min_compress_size, fusion_threshold_bytes,
-                         name=name or f"hc.{base.__name__}"),
-        backward_passes_per_step, average_aggregated_gradients)
+    wrapped._hc_init(exchange_, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 
 
@@ -489,15 +491,13 @@ class DistributedGradientTape:
                  sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                  groups=None, process_set=hvd.global_process_set, exchange=None, two_way=True):
         if exchange is None:
-            compression = _check_arguments(compression, two_way, op, 1, DEFAULT_MIN_COMPRESS_SIZE,
-                                           DEFAULT_FUSION_THRESHOLD_BYTES)
-            if compression.requires_optimizer:
-                raise ValueError(
-                    f"{compression!r} keeps error-feedback state across steps, and a tape lives for "
-                    "one step. Create `exchange = hvd_compress.GradientExchange(compression, "
-                    "two_way=...)` once, outside the loop, and pass exchange=exchange.")
             exchange = GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
                                         sparse_as_dense, name="hc.tape")
+            if exchange.compression.requires_optimizer:
+                raise ValueError(
+                    f"{exchange.compression!r} keeps error-feedback state across steps, and a tape "
+                    "lives for one step. Create `exchange = hvd_compress.GradientExchange(compression, "
+                    "two_way=...)` once, outside the loop, and pass exchange=exchange.")
         self._tape, self.exchange = gradtape, exchange
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
@@ -505,9 +505,7 @@ class DistributedGradientTape:
         variables = tf.nest.flatten(sources)
         with tf.init_scope():
             self.exchange.build(variables)
-        if [id(v) for v in variables] != self.exchange.variable_ids:
-            raise ValueError("A GradientExchange serves one list of variables, in one order; use "
-                             "one exchange per list.")
+        check_same_variables(self.exchange.variable_ids, variables, "A GradientExchange")
         return tf.nest.pack_sequence_as(grads, self.exchange(tf.nest.flatten(grads)))
 
     def __getattr__(self, name):
