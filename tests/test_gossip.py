@@ -21,6 +21,17 @@ def test_gossip_without_gradients_reaches_the_exact_average(np_, flags):
         assert np.all((window[1:] <= window[:-1] * 0.9) | (window[1:] < 1e-5)), window
 
 
+@pytest.mark.parametrize("flags", [[], ["--overlap"]])
+def test_average_every_h_steps_is_exact_consensus(flags):
+    """3 ranks on a ring mix slowly; every 4th step an exact average (mass in flight included)."""
+    results = run_ranks("gossip_consensus.py", "--graph=ring", "--average_every=4", "--steps=8", *flags, np=3)
+    for r in results:
+        errors = r["errors"]
+        assert errors[2] > 1e-2  # gossip alone is not there yet...
+        assert errors[3] < 1e-5 and errors[7] < 1e-5  # ...the average after steps 4 and 8 is
+        np.testing.assert_allclose(r["mass"], 3, rtol=1e-6)
+
+
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_sgp_trains_next_to_allreduce_sgd(np_):
     baseline = run_ranks("train_digits.py", "--compression=none", "--epochs=16", np=np_)[0]

@@ -179,3 +179,15 @@ def test_powersgd_compresses_only_what_it_shrinks():
     assert exchange.low_rank_q[0].shape == [32, 4]
     # A rank-1 gradient is recovered exactly by a rank-4 approximation: no residual left.
     assert float(exchange.residual_norm()) < 1e-5 * np.sqrt(4608)  # relative to |M| (float32)
+
+
+def test_powersgd_without_warm_start_draws_a_fresh_shared_q():
+    kernel = tf.Variable(tf.zeros([64, 48]))
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                  compression=hc.Compression.powersgd(rank=2, warm_start=False))
+    gradient = tf.constant(np.outer(np.arange(64), np.ones(48)), tf.float32)  # rank 1
+    opt.apply_gradients([(gradient, kernel)])
+    exchange = opt.compression_exchange
+    assert exchange.low_rank_q == []  # no state kept for Q
+    np.testing.assert_allclose(kernel.numpy(), -gradient.numpy(), rtol=1e-4, atol=1e-3)
+    assert float(exchange.residual_norm()) < 1e-5 * float(tf.norm(gradient))

@@ -11,6 +11,7 @@ from _worker import report
 flags.DEFINE_string("graph", "exponential", "Graph.")
 flags.DEFINE_bool("overlap", False, "Overlap SGP.")
 flags.DEFINE_integer("steps", 30, "Gossip steps.")
+flags.DEFINE_integer("average_every", None, "Exact allreduce average every H steps.")
 FLAGS = flags.FLAGS
 
 
@@ -21,7 +22,8 @@ def main(_):
     starts = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in range(n)]
     start, target = starts[rank], np.mean(starts, axis=0)
     v = tf.Variable(start)
-    opt = hc.PushSumOptimizer(keras.optimizers.SGD(0.0), graph=FLAGS.graph, overlap=FLAGS.overlap)
+    opt = hc.PushSumOptimizer(keras.optimizers.SGD(0.0), graph=FLAGS.graph, overlap=FLAGS.overlap,
+                              average_every=FLAGS.average_every)
     step = tf.function(lambda: opt.apply_gradients([(tf.zeros([1000]), v)]))
     errors, mass = [], []
     for _ in range(FLAGS.steps):
