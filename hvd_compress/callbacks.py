@@ -1,6 +1,10 @@
-"""Keras callbacks: compression metrics in the logs (and so in TensorBoard)."""
+"""Keras callbacks: compression metrics in the logs (and so in TensorBoard), and Accordion's
+adaptive compression and batch size."""
+import numpy as np
 import tensorflow as tf
 
+import horovod.tensorflow as hvd
+from hvd_compress import accordion
 from hvd_compress.keras_compat import require_legacy_keras
 
 keras = require_legacy_keras()
@@ -25,3 +29,147 @@ class CompressionMetrics(keras.callbacks.Callback):
         logs["bytes_per_step"] = float(exchange.bytes_sent)
         logs["compression_ratio"] = float(exchange.uncompressed_bytes / max(exchange.bytes_sent, 1e-12))
         logs["residual_norm"] = float(tf.convert_to_tensor(exchange.residual_norm()))
+
+
+class _RegimeSwitching(keras.callbacks.Callback):
+    """What Accordion's two callbacks share: the detection interval, one decision on every
+    rank at the start of each interval (hvd_compress/accordion.py), bytes and logs."""
+
+    def __init__(self, eta, interval, groups, verbose):
+        if interval != "epoch" and (isinstance(interval, bool) or not isinstance(interval, int)
+                                    or interval < 1):
+            raise ValueError(f"interval must be 'epoch' or a number of steps >= 1, got {interval!r}.")
+        super().__init__()
+        self.detector = accordion.RegimeDetector(eta, groups)
+        self.interval, self.verbose = interval, verbose
+        #: one entry per decision: epoch, optimizer step, learning rate, norms, critical per group
+        self.decisions = []
+
+    def _exchange(self):
+        exchange = getattr(self.model.optimizer, "compression_exchange", None)
+        if exchange is None:
+            raise TypeError(f"{type(self).__name__} needs the model compiled with "
+                            "hvd_compress.DistributedOptimizer, got "
+                            f"{type(self.model.optimizer).__name__}.")
+        return exchange
+
+    def on_train_begin(self, logs=None):
+        self._attach(self.model.optimizer, self._exchange())
+        # Creates the detector's state now (restored from a checkpoint if one was loaded).
+        self.model.optimizer.build(self.model.trainable_variables)
+        self._apply(self.detector.critical.numpy() > 0.5)
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if self.interval == "epoch" and self.detector.steps.numpy() > 0:
+            self._decide()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.interval != "epoch" and self.detector.steps.numpy() >= self.interval:
+            self._decide()
+
+    def _bytes_so_far(self):
+        return float(self.detector.bytes_total.numpy()) + float(self.detector.steps.numpy()) * \
+            self._exchange().bytes_sent
+
+    def _decide(self):
+        self.detector.bytes_total.assign(self._bytes_so_far())  # the interval's steps, at its setting
+        optimizer = self.model.optimizer
+        learning_rate = accordion.current_learning_rate(optimizer)
+        critical, norms = self.detector.decide(learning_rate, self._exchange().process_set)
+        self._apply(critical)
+        self.decisions.append(dict(epoch=self._epoch, step=int(optimizer.iterations.numpy()),
+                                   learning_rate=learning_rate, norms=norms.tolist(),
+                                   critical=critical.tolist()))
+        if self.verbose and hvd.rank() == 0:
+            regimes = ", ".join(f"{name} {'critical' if c else 'calm'} (norm {n:.3g})"
+                                for name, c, n in zip(self.detector.names, critical, norms))
+            print(f"{type(self).__name__}: epoch {self._epoch}, step {self.decisions[-1]['step']}: "
+                  f"{self._describe(critical)}; {regimes}", flush=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        for name, c in zip(self.detector.names, self.detector.critical.numpy()):
+            logs[f"accordion_critical/{name}"] = float(c)
+        logs["bytes_per_step"] = float(self._exchange().bytes_sent)
+        logs["cumulative_bytes"] = self._bytes_so_far()
+
+
+class Accordion(_RegimeSwitching):
+    """Accordion's adaptive compression (Agarwal et al., MLSys 2021): each layer uses `low`
+    compression while in a critical regime and `high` otherwise (rule in
+    hvd_compress/accordion.py).
+
+        opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9))
+        model.fit(ds, callbacks=[hc.callbacks.Accordion(
+            low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1))])
+
+    low/high: two settings of one family (PowerSGD rank, top-k or random-k
+    ratio, sketch size), or low=Compression.none with high=Compression.onebit().
+    They replace the optimizer's own `compression`. eta: the relative change
+    of a layer's accumulated-gradient norm that marks a critical regime.
+    interval: "epoch" or a number of optimizer steps. A learning-rate drop
+    marks every layer critical for the next interval (put the callback after
+    a LearningRateScheduler). Logs, at every epoch end: accordion_critical/<layer>
+    (1 = low compression), bytes_per_step and cumulative_bytes (per worker).
+    """
+
+    def __init__(self, low, high, eta=0.5, interval="epoch", verbose=1):
+        super().__init__(eta, interval, "variable", verbose)
+        self.compression = accordion.AdaptiveCompression(low, high)
+
+    def _attach(self, optimizer, exchange):
+        exchange.use_accordion(self.compression, self.detector)
+
+    def _apply(self, critical):
+        self._exchange().choice.assign(np.where(critical, accordion.LOW, accordion.HIGH).astype(np.float32))
+
+    def _describe(self, critical):
+        return f"{int(np.sum(critical))} of {len(critical)} layers at low compression"
+
+
+class AccordionBatchSize(_RegimeSwitching):
+    """Accordion's batch-size use: `small` batches per rank in critical regimes, `large` otherwise,
+    the learning rate scaled by the linear rule (large / small times higher).
+
+    The data pipeline keeps batches of `small` per rank (the dataset's batch
+    size); a large batch is large / small of them accumulated before one
+    exchange and update. Their gradients are summed, which is exactly one step
+    on the large batch at large / small times the learning rate (SGD's linear
+    scaling rule, Goyal et al. 2017), so it works with any learning-rate
+    schedule and sends large / small times fewer bytes per sample. The
+    decision uses the whole model's accumulated-gradient norm. Logs
+    accordion_critical/model, batch_size (per rank), bytes_per_step (per
+    exchange) and cumulative_bytes.
+    """
+
+    def __init__(self, small, large, eta=0.5, interval="epoch", verbose=1):
+        for name, value in (("small", small), ("large", large)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a batch size per rank >= 1, got {value!r}.")
+        if large % small or large <= small:
+            raise ValueError(f"large ({large}) must be a multiple of small ({small}) greater than it: "
+                             "a large batch is large / small accumulated small ones.")
+        super().__init__(eta, interval, "model", verbose)
+        self.small, self.large = small, large
+
+    def _attach(self, optimizer, exchange):
+        if not isinstance(optimizer, keras.optimizers.SGD):
+            raise TypeError("AccordionBatchSize scales the learning rate by the linear rule, which holds "
+                            f"for SGD; got {type(optimizer).__name__}.")
+        exchange.use_accordion(exchange.compression, self.detector)
+        if not exchange.built:
+            optimizer._hc_allow_passes_up_to(self.large // self.small)
+
+    def _apply(self, critical):
+        self.model.optimizer.set_backward_passes_per_step(1 if critical[0] else self.large // self.small)
+
+    def _describe(self, critical):
+        return f"batch {self.small if critical[0] else self.large} per rank"
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if logs is not None:
+            logs["batch_size"] = float(self.small if self.detector.critical.numpy()[0] > 0.5 else self.large)

@@ -68,6 +68,18 @@ class DenseAllreduce:
             process_set=self.process_set, name=self.name)
 
 
+class FullAllreduce:
+    """A compressed bucket sent at full precision (Accordion's `Compression.none` setting):
+    one float32 allreduce; it sends everything, so no residual is left."""
+
+    def __init__(self, num_elements, size, process_set, name):
+        self.process_set, self.name = process_set, name
+        self.bytes_sent = allreduce_bytes(4 * num_elements, size)
+
+    def __call__(self, flat):
+        return flat, hvd.allreduce(flat, op=hvd.Average, process_set=self.process_set, name=self.name)
+
+
 class SignAllgather:
     """One-way dist-EF-SGD: every worker's packed update is allgathered, all decode the mean."""
 

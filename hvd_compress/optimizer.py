@@ -46,6 +46,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops
+from hvd_compress.accordion import AdaptiveCompression
 from hvd_compress.compression import (Compression, OneBitCompressor, PowerSGDCompressor,
                                       RandomKCompressor, StatefulCompressor, TopKCompressor)
 from hvd_compress.keras_compat import require_legacy_keras
@@ -98,8 +99,9 @@ def _new_variable_like(variable, name):
                        name=f"hc_{name}_{variable.name.split(':')[0].replace('/', '_')}")
 
 
-def _new_variable(shape, name, initializer=None):
-    value = initializer(shape, tf.float32) if initializer else tf.zeros(shape, tf.float32)
+def _new_variable(shape, name, initializer="zeros"):
+    initializer = {"zeros": tf.zeros, "ones": tf.ones}.get(initializer, initializer)
+    value = initializer(shape, tf.float32)
     return tf.Variable(value, trainable=False, name=f"hc_{name}")
 
 
@@ -125,7 +127,50 @@ class GradientExchange(tf.Module):
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
         self.collective_name = name
+        self.monitor = None  # an accordion.RegimeDetector, fed every step's local gradients
         self.built = False
+
+    @property
+    def adaptive(self):
+        return isinstance(self.compression, AdaptiveCompression)
+
+    def use_accordion(self, compression, detector):
+        """Switches to Accordion's two settings (accordion.AdaptiveCompression) watched by
+        `detector`; before the first step, since both settings are planned then."""
+        if self.built:
+            if repr(compression) == repr(self.compression) and repr(detector) == repr(self.monitor):
+                return
+            raise ValueError(f"This optimizer already ran a step with {self.compression!r}; Accordion "
+                             "plans both of its settings at the first step. Add the callback to the "
+                             "first model.fit of a new or freshly loaded optimizer.")
+        if self.monitor is not None and repr(detector) != repr(self.monitor):
+            raise ValueError(f"This optimizer is already watched by {self.monitor!r}; use one Accordion "
+                             "callback (compression or batch size) per optimizer.")
+        self.compression, self.monitor = compression, detector
+
+    def _plan(self, c, bucket, b, k):
+        """The exchange of bucket b under compressor c (setting k of Accordion's)."""
+        n, size = self.layout.bucket_size(bucket), self.process_set.size()
+        name = f"{self.collective_name}.bucket{b}" + (f".setting{k}" if self.adaptive else "")
+        shapes = [self.layout.shapes[i] for i in bucket]
+        if c is None or not all(c.compresses(s) for s in shapes):  # Accordion's low: full precision
+            return exchange.FullAllreduce(n, size, self.process_set, name)
+        if isinstance(c, OneBitCompressor):
+            bounds = ops.layout_bounds([self.layout.sizes[i] for i in bucket], c.block_size)
+            if self.two_way:
+                cuts = shard_cuts(n, size)
+                return exchange.SignTwoWay(c, np.union1d(bounds, cuts), cuts, self.process_set.rank(), size,
+                                           self.process_set, name)
+            return exchange.SignAllgather(c, bounds, size, self.process_set, name)
+        if isinstance(c, PowerSGDCompressor):
+            return exchange.LowRankAllreduce(c, shapes, size, self.process_set, name)
+        if isinstance(c, SketchCompressor):
+            return exchange.SketchAllreduce(c, n, size, self.process_set, name, salt=b)
+        if isinstance(c, RandomKCompressor):
+            return exchange.SharedRandomAllreduce(c, n, c.num_selected(n), size, self.process_set, name)
+        if isinstance(c, TopKCompressor):
+            return exchange.SparseAllgather(c, n, c.num_selected(n), size, self.process_set, name)
+        raise TypeError(f"{c!r} is not supported by hvd_compress.DistributedOptimizer yet.")
 
     # -- planning and state -------------------------------------------------------------
     def build(self, variables, new_slot=_new_variable_like, new_variable=_new_variable,
@@ -139,48 +184,38 @@ class GradientExchange(tf.Module):
         self.variable_ids = [id(v) for v in variables]
         self.variable_names = [v.name for v in variables]
         self.variable_dtypes = [v.dtype for v in variables]
+        # Under Accordion every compressed tensor is its own bucket, so each layer switches alone.
         self.layout = Layout(variables, self.compression, self.min_compress_size,
-                             self.fusion_threshold_bytes)
-        size, rank = self.process_set.size(), self.process_set.rank()
+                             1 if self.adaptive else self.fusion_threshold_bytes)
+        size = self.process_set.size()
         # Plan every exchange first: a bad size is refused before any collective runs.
-        self.exchanges, server_sizes, low_rank = [], [], []
-        for b, bucket in enumerate(self.layout.buckets):
-            n = self.layout.bucket_size(bucket)
-            name = f"{self.collective_name}.bucket{b}"
-            c = self.compression
-            if isinstance(c, OneBitCompressor):
-                bounds = ops.layout_bounds([self.layout.sizes[i] for i in bucket], c.block_size)
-                if self.two_way:
-                    cuts = shard_cuts(n, size)
-                    ex = exchange.SignTwoWay(c, np.union1d(bounds, cuts), cuts, rank, size,
-                                             self.process_set, name)
-                    server_sizes.append(ex.server_size)
-                else:
-                    ex = exchange.SignAllgather(c, bounds, size, self.process_set, name)
-            elif isinstance(c, PowerSGDCompressor):
-                ex = exchange.LowRankAllreduce(c, [self.layout.shapes[i] for i in bucket], size,
-                                               self.process_set, name)
-                low_rank.extend((b, j, m) for j, (_, m) in enumerate(ex.matrices))
-            elif isinstance(c, SketchCompressor):
-                ex = exchange.SketchAllreduce(c, n, size, self.process_set, name, salt=b)
-            elif isinstance(c, RandomKCompressor):
-                ex = exchange.SharedRandomAllreduce(c, n, c.num_selected(n), size, self.process_set, name)
-            elif isinstance(c, TopKCompressor):
-                ex = exchange.SparseAllgather(c, n, c.num_selected(n), size, self.process_set, name)
-            else:
-                raise TypeError(f"{c!r} is not supported by hvd_compress.DistributedOptimizer yet.")
-            self.exchanges.append(ex)
+        # Accordion plans each setting per bucket; otherwise a bucket has one.
+        settings = self.compression.settings if self.adaptive else [self.compression]
+        self.alternatives = [[self._plan(c, bucket, b, k) for k, c in enumerate(settings)]
+                             for b, bucket in enumerate(self.layout.buckets)]
         self._check_ranks_agree()
         # Slots of the compressed variables, in layout.compressed order.
         self.residuals = [new_slot(variables[i], "residual") for i in self.layout.compressed]
         self.momenta = ([new_slot(variables[i], "momentum") for i in self.layout.compressed]
                         if direct_update else [])
-        self.server_residuals = [new_variable([n], f"server_residual_{b}")
-                                 for b, n in enumerate(server_sizes)]
-        # PowerSGD's Q factors: the same random start on every rank, then warm-started.
-        self.low_rank_q = [new_variable([m, self.compression.rank], f"powersgd_q_{b}_{j}",
-                                        self._shared_normal(b, j))
-                           for b, j, m in low_rank] if self.compression_warm_starts else []
+        # Each exchange's own state: the onebit server residual, PowerSGD's warm-started Q factors
+        # (the same random start on every rank).
+        self.server_residuals, self.low_rank_q = [], []
+        for b, alternatives in enumerate(self.alternatives):
+            for k, ex in enumerate(alternatives):
+                suffix = f"{b}_{k}" if self.adaptive else f"{b}"
+                if isinstance(ex, exchange.SignTwoWay):
+                    ex.server_residual = new_variable([ex.server_size], f"server_residual_{suffix}")
+                    self.server_residuals.append(ex.server_residual)
+                if isinstance(ex, exchange.LowRankAllreduce) and ex.compressor.warm_start:
+                    ex.qs = [new_variable([m, ex.compressor.rank], f"powersgd_q_{suffix}_{j}",
+                                          self._shared_normal(ex.compressor, b, j))
+                             for j, (_, m) in enumerate(ex.matrices)]
+                    self.low_rank_q.extend(ex.qs)
+        if self.adaptive:
+            self.choice = new_variable([len(self.alternatives)], "accordion_choice")  # 0: LOW, 1: HIGH
+        if self.monitor is not None:
+            self.monitor.build(variables, self.layout, new_slot, new_variable)
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
         self.dense_exchange = exchange.DenseAllreduce(
             [variables[i] for i in self.layout.dense], dense_compression, size,
@@ -203,22 +238,25 @@ class GradientExchange(tf.Module):
                              "or models, so their collectives would not match. Start every rank with "
                              f"the same arguments. Settings per rank:\n{lines}")
 
-    @property
-    def compression_warm_starts(self):
-        return isinstance(self.compression, PowerSGDCompressor) and self.compression.warm_start
-
-    def _shared_normal(self, bucket, j, step=0):
-        seed = tf.stack([tf.constant(self.compression.seed * (1 << 20) + bucket * 4096 + j, tf.int64),
+    @staticmethod
+    def _shared_normal(compressor, bucket, j, step=0):
+        seed = tf.stack([tf.constant(compressor.seed * (1 << 20) + bucket * 4096 + j, tf.int64),
                          tf.cast(step, tf.int64)])
         return lambda shape, dtype=tf.float32: tf.random.stateless_normal(shape, seed, dtype=dtype)
 
     def _low_rank_qs(self, bucket, ex, step):
         """This step's Q factors: warm-started variables, or fresh shared draws."""
-        if self.compression_warm_starts:
-            first = sum(len(e.matrices) for e in self.exchanges[:bucket])
-            return self.low_rank_q[first:first + len(ex.matrices)]
-        return [self._shared_normal(bucket, j, step)([m, self.compression.rank])
+        if ex.compressor.warm_start:
+            return ex.qs
+        return [self._shared_normal(ex.compressor, bucket, j, step)([m, ex.compressor.rank])
                 for j, (_, m) in enumerate(ex.matrices)]
+
+    @property
+    def exchanges(self):
+        """The exchange each bucket runs now (Accordion: the current setting)."""
+        if not self.adaptive:
+            return [alternatives[0] for alternatives in self.alternatives]
+        return [alternatives[k] for alternatives, k in zip(self.alternatives, self.choice.numpy().astype(int))]
 
     @property
     def bytes_sent(self):
@@ -264,27 +302,16 @@ class GradientExchange(tf.Module):
         dense = self.dense_exchange([grads[i] for i in self.layout.dense])
         for i, g in zip(self.layout.dense, dense):
             out[i] = g
-        for b, (bucket, ex) in enumerate(zip(self.layout.buckets, self.exchanges)):
+        if self.monitor is not None:
+            self.monitor.observe(grads)
+        for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
             flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov), [-1])
                               for i in bucket], 0)
-            if isinstance(ex, exchange.SignTwoWay):
-                sent, update, new_server_residual = ex(flat, self.server_residuals[b])
-                self.server_residuals[b].assign(new_server_residual)
-            elif isinstance(ex, exchange.SharedRandomAllreduce):
-                sent, update = ex(flat, step, salt=b)
-            elif isinstance(ex, exchange.LowRankAllreduce):
-                qs = self._low_rank_qs(b, ex, step)
-                update, new_qs = ex(flat, qs)
-                sent = update  # PowerSGD's error is against the shared approximation
-                if self.compression_warm_starts:
-                    for q, new_q in zip(qs, new_qs):
-                        q.assign(new_q)
-            elif isinstance(ex, exchange.SketchAllreduce):
-                sent, update, indices = ex(flat)
-                if self.momenta:  # sketched SGD zeroes the momentum where it applied the update
-                    self._zero_momentum_at(bucket, indices, ex.n)
-            else:
-                sent, update = ex(flat)
+            if len(alternatives) == 1:
+                sent, update = self._exchange(alternatives[0], b, bucket, flat, step)
+            else:  # Accordion: both settings are in the graph, a variable picks one (no retrace)
+                low, high = (lambda ex=ex: self._exchange(ex, b, bucket, flat, step) for ex in alternatives)
+                sent, update = tf.cond(self.choice[b] > 0.5, high, low)
             residual, offset = flat - sent, 0
             if self.op == hvd.Sum:
                 update = update * self.process_set.size()
@@ -294,6 +321,28 @@ class GradientExchange(tf.Module):
                 out[i] = tf.reshape(update[offset:offset + size], shape)
                 offset += size
         return out
+
+    def _exchange(self, ex, b, bucket, flat, step):
+        """Runs one bucket's exchange and updates its state: (what this worker sent, mean update)."""
+        if isinstance(ex, exchange.SignTwoWay):
+            sent, update, new_server_residual = ex(flat, ex.server_residual)
+            ex.server_residual.assign(new_server_residual)
+        elif isinstance(ex, exchange.SharedRandomAllreduce):
+            sent, update = ex(flat, step, salt=b)
+        elif isinstance(ex, exchange.LowRankAllreduce):
+            qs = self._low_rank_qs(b, ex, step)
+            update, new_qs = ex(flat, qs)
+            sent = update  # PowerSGD's error is against the shared approximation
+            if ex.compressor.warm_start:
+                for q, new_q in zip(qs, new_qs):
+                    q.assign(new_q)
+        elif isinstance(ex, exchange.SketchAllreduce):
+            sent, update, indices = ex(flat)
+            if self.momenta:  # sketched SGD zeroes the momentum where it applied the update
+                self._zero_momentum_at(bucket, indices, ex.n)
+        else:
+            sent, update = ex(flat)
+        return sent, update
 
     def _zero_momentum_at(self, bucket, indices, num_elements):
         keep = 1.0 - ops.scatter_dense(indices, tf.ones_like(indices, tf.float32), num_elements)
@@ -361,8 +410,9 @@ class _DistributedOptimizerMixin:
         """Momentum in front and lr inside (dist-EF-SGD, sketched SGD) for onebit and sketch
         under SGD."""
         keras = require_legacy_keras()
-        return isinstance(self._hc_exchange.compression, (OneBitCompressor, SketchCompressor)) \
-            and isinstance(self, keras.optimizers.SGD)
+        compression = self._hc_exchange.compression
+        family = compression.high if isinstance(compression, AdaptiveCompression) else compression
+        return isinstance(family, (OneBitCompressor, SketchCompressor)) and isinstance(self, keras.optimizers.SGD)
 
     def build(self, var_list):
         super().build(var_list)
@@ -377,7 +427,27 @@ class _DistributedOptimizerMixin:
             direct_update=self._hc_direct_update())
         if self._hc_backward_passes > 1:
             self._hc_accumulated = [self.add_variable_from_reference(v, "hc_accumulated") for v in var_list]
-            self._hc_passes = self.add_variable([], tf.int64, name="hc_passes")
+            self._hc_passes = self.add_variable([], tf.int64, name="hc_passes")  # passes since the last step
+            # A variable, so AccordionBatchSize can change it between steps without a retrace.
+            self._hc_passes_per_step = self.add_variable(
+                [], tf.int64, name="hc_passes_per_step",
+                initializer=lambda shape, dtype: tf.fill(shape, tf.cast(self._hc_backward_passes, dtype)))
+
+    def _hc_allow_passes_up_to(self, passes):
+        """For AccordionBatchSize (before the first step): accumulate up to `passes` backward passes
+        per step, summed, so that k passes give the k-times-larger batch's step at k times the
+        learning rate (the linear scaling rule)."""
+        if self._hc_exchange.built:
+            raise ValueError("AccordionBatchSize must be in the callbacks of the first model.fit of a new "
+                             "or freshly loaded optimizer (it creates the accumulators at the first step).")
+        if self._hc_backward_passes != 1:
+            raise ValueError("AccordionBatchSize sets the backward passes per step itself; create the "
+                             "optimizer with backward_passes_per_step=1.")
+        self._hc_backward_passes, self._hc_average_aggregated = passes, False
+
+    def set_backward_passes_per_step(self, passes):
+        """Between steps: how many backward passes (micro-batches) the next steps accumulate."""
+        self._hc_passes_per_step.assign(passes)
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
         if skip_gradients_aggregation or not kwargs.pop("experimental_aggregate_gradients", True):
@@ -397,16 +467,16 @@ class _DistributedOptimizerMixin:
         for acc, g in zip(self._hc_accumulated, grads):
             acc.assign_add(tf.cast(g, acc.dtype))
         passes = self._hc_passes.assign_add(1)
-        k = self._hc_backward_passes
 
         def apply():
-            scale = 1.0 / k if self._hc_average_aggregated else 1.0
-            self._hc_apply([acc * scale for acc in self._hc_accumulated], variables, name)
+            scale = 1.0 / tf.cast(passes, tf.float32) if self._hc_average_aggregated else 1.0
+            self._hc_apply([acc * tf.cast(scale, acc.dtype) for acc in self._hc_accumulated], variables, name)
             for acc in self._hc_accumulated:
                 acc.assign(tf.zeros_like(acc))
+            self._hc_passes.assign(0)
             return tf.constant(True)
 
-        tf.cond(tf.equal(passes % k, 0), apply, lambda: tf.constant(False))
+        tf.cond(passes >= self._hc_passes_per_step, apply, lambda: tf.constant(False))
         return self.iterations
 
     def _hc_apply(self, grads, variables, name):

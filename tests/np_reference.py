@@ -102,15 +102,23 @@ class DistEFSGD:
         self.e = [np.zeros(d, np.float32) for _ in range(n)]
         self.e_server = np.zeros(d, np.float32)
 
-    def step(self, x, grads, lr):
-        payloads = []
+    def step(self, x, grads, lr, compressed=True):
+        """compressed=False: Accordion's uncompressed setting, x -= mean_i(a_i), e_i = 0, e_s kept."""
+        payloads, sents = [], []
         for i, g in enumerate(grads):
             self.m[i] = self.mu * self.m[i] + g
             p = self.mu * self.m[i] + g if self.nesterov else self.m[i]
             a = np.float32(lr) * p + self.e[i]
+            if not compressed:
+                self.e[i] = np.zeros_like(a)
+                sents.append(a)
+                continue
             payload, sent = compress(a, self.bounds)
             self.e[i] = a - sent
             payloads.append(payload)
+        if not compressed:
+            x -= np.add.reduce(sents) / np.float32(self.n)
+            return
         if not self.two_way:
             x -= unpack_mean([p[0] for p in payloads], [p[1] for p in payloads], self.bounds)
             return

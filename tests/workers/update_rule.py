@@ -79,18 +79,21 @@ def reference_sparse(compression, size, nesterov):
     return x
 
 
-def reference_powersgd(compression, size, nesterov):
+def reference_powersgd(compression, size, nesterov, schedule=None):
     """PowerSGD with error feedback (float64 NumPy), then Keras SGD on the low-rank mean. The
-    update P P^T M does not depend on the signs QR picks, so NumPy's QR may differ from TF's."""
-    q = tf.random.stateless_normal([SHAPE[1], compression.rank],
-                                   tf.constant([compression.seed << 20, 0], tf.int64)).numpy().astype(np.float64)
+    update P P^T M does not depend on the signs QR picks, so NumPy's QR may differ from TF's.
+    schedule: the compressor of each step (Accordion switching ranks: one shared error, a
+    warm-started Q per compressor)."""
+    schedule = schedule or [compression] * FLAGS.steps
+    qs = {c.rank: tf.random.stateless_normal([SHAPE[1], c.rank], tf.constant([c.seed << 20, 0], tf.int64))
+          .numpy().astype(np.float64) for c in schedule}
     e = [np.zeros(SHAPE) for _ in range(size)]
     x, m = np.zeros(int(np.prod(SHAPE)), np.float32), np.zeros(int(np.prod(SHAPE)), np.float32)
     for t in range(FLAGS.steps):
         ms = [grads_of(r, t)[0].astype(np.float64) + e[r] for r in range(size)]
         mean = np.mean(ms, axis=0)
-        p = np.linalg.qr(mean @ q)[0]
-        q = mean.T @ p
+        p = np.linalg.qr(mean @ qs[schedule[t].rank])[0]
+        qs[schedule[t].rank] = q = mean.T @ p
         update = p @ q.T
         e = [mr - update for mr in ms]
         ref.keras_sgd(x, m, update.reshape(-1).astype(np.float32), RATES[int(t > BOUNDARIES[0])], MU, nesterov)

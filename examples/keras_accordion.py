@@ -1,0 +1,106 @@
+"""Accordion on the bundled digits: adaptive compression (or batch size) against static settings.
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_accordion.py --mode accordion
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_accordion.py --mode low
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_accordion.py --mode high
+
+--family picks the compressor whose strength Accordion switches (PowerSGD
+rank 4 <-> 1 by default); --mode batch switches the batch size instead
+(small <-> large per rank, at a fixed compression). The learning rate drops
+10x at each epoch in --lr_drops (a drop marks a critical regime). Prints the
+test accuracy and the total bytes one worker sent; --history writes the
+per-epoch logs (regime per layer, cumulative bytes, test accuracy) as JSON.
+"""
+import hvd_compress as hc  # first: selects Keras 2 for tf.keras
+
+import json
+
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow.keras as hvd
+
+import digits
+
+flags.DEFINE_enum("mode", "accordion", ["low", "high", "accordion", "batch"],
+                  "Static low or high compression, Accordion between them, or Accordion's batch size.")
+flags.DEFINE_enum("family", "powersgd", ["powersgd", "topk", "randomk", "sketch", "onebit"],
+                  "Compressor family whose strength is switched.")
+flags.DEFINE_float("eta", 0.5, "Accordion: relative norm change that marks a critical regime.")
+flags.DEFINE_integer("small_batch", 16, "--mode batch: batch per rank in critical regimes.")
+flags.DEFINE_integer("large_batch", 64, "--mode batch: batch per rank otherwise.")
+flags.DEFINE_integer("epochs", 16, "Training epochs.")
+flags.DEFINE_list("lr_drops", [], "Epochs at which the learning rate drops 10x (none by default).")
+flags.DEFINE_float("lr", 0.05, "Learning rate per rank for batches of 32 (scaled linearly).")
+flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights and shuffling.")
+flags.DEFINE_string("history", None, "Where rank 0 writes the per-epoch logs (JSON).")
+FLAGS = flags.FLAGS
+
+#: (low, high) compression of each family: the critical-regime setting and the calm one
+SETTINGS = {
+    "powersgd": lambda: (hc.Compression.powersgd(rank=4), hc.Compression.powersgd(rank=1)),
+    "topk": lambda: (hc.Compression.topk(ratio=0.1), hc.Compression.topk(ratio=0.01)),
+    "randomk": lambda: (hc.Compression.randomk(ratio=0.25), hc.Compression.randomk(ratio=0.05)),
+    "sketch": lambda: (hc.Compression.sketch(ratio=2), hc.Compression.sketch(ratio=4)),
+    "onebit": lambda: (hc.Compression.none, hc.Compression.onebit()),
+}
+
+
+class TestAccuracy(tf.keras.callbacks.Callback):
+    """Adds test_accuracy to every epoch's logs (for the accuracy-versus-bytes curve)."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["test_accuracy"] = float(self.model.evaluate(self.x, self.y, verbose=0)[1])
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(FLAGS.seed)
+    (x_train, y_train), (x_test, y_test) = digits.load(FLAGS.seed)
+    batch = FLAGS.small_batch if FLAGS.mode == "batch" else 32
+    train, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), batch, FLAGS.seed)
+
+    low, high = SETTINGS[FLAGS.family]()
+    lr = FLAGS.lr * hvd.size() * batch / 32  # the linear rule from --lr's batch of 32 per rank
+    drops = sorted(int(e) for e in FLAGS.lr_drops)
+    schedule = keras.callbacks.LearningRateScheduler(
+        lambda epoch: lr * 0.1 ** sum(epoch >= d for d in drops))
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), schedule]
+    if FLAGS.mode == "accordion":
+        callbacks.append(hc.callbacks.Accordion(low=low, high=high, eta=FLAGS.eta))
+    elif FLAGS.mode == "batch":
+        callbacks.append(hc.callbacks.AccordionBatchSize(FLAGS.small_batch, FLAGS.large_batch, eta=FLAGS.eta))
+    callbacks += [hc.callbacks.CompressionMetrics(), TestAccuracy(x_test, y_test)]
+
+    model = digits.cnn(keras, FLAGS.seed)
+    static = {"low": low, "high": high}.get(FLAGS.mode, high)
+    optimizer = hc.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9, nesterov=True),
+                                        compression=static)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    bytes_so_far, epochs = 0.0, []
+    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps, callbacks=callbacks,
+                        verbose=2 if hvd.rank() == 0 else 0)
+    for epoch in range(FLAGS.epochs):
+        logs = {key: float(values[epoch]) for key, values in history.history.items()}
+        if "cumulative_bytes" not in logs:  # static: the same bytes every step
+            bytes_so_far += logs["bytes_per_step"] * steps
+            logs["cumulative_bytes"] = bytes_so_far
+        epochs.append(logs)
+    accuracy, total = epochs[-1]["test_accuracy"], epochs[-1]["cumulative_bytes"]
+    if hvd.rank() == 0:
+        print(f"mode={FLAGS.mode} family={FLAGS.family} ranks={hvd.size()} test_accuracy={accuracy:.4f} "
+              f"total_MB={total / 1e6:.3f}")
+        if FLAGS.history:
+            with open(FLAGS.history, "w") as f:
+                json.dump(dict(mode=FLAGS.mode, family=FLAGS.family, ranks=hvd.size(), epochs=epochs,
+                               test_accuracy=accuracy, total_bytes=total), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,116 @@
+"""Accordion (hvd_compress/accordion.py, callbacks.Accordion/AccordionBatchSize)."""
+import numpy as np
+import pytest
+
+import hvd_compress as hc
+from hvd_compress.accordion import AdaptiveCompression, critical_regime
+from hvdrun import run_ranks
+
+
+def test_a_layer_is_critical_when_its_norm_changes_by_eta_or_the_rate_drops():
+    previous, now = [10.0, 10.0, 10.0, 0.0], [14.9, 5.0, 16.0, 3.0]
+    np.testing.assert_array_equal(critical_regime(previous, now, 0.5), [False, True, True, True])
+    np.testing.assert_array_equal(critical_regime(previous, now, 0.5, learning_rate_dropped=True), [True] * 4)
+    np.testing.assert_array_equal(critical_regime([2.0], [np.nan], 0.5), [True])
+
+
+@pytest.mark.parametrize("low, high, match", [
+    (hc.Compression.topk(ratio=0.1), hc.Compression.powersgd(rank=1), "same compressor family"),
+    (hc.Compression.none, hc.Compression.fp16, "stateful"),
+    (hc.Compression.fp16, hc.Compression.onebit(), "same compressor family"),
+])
+def test_settings_of_different_families_are_refused(low, high, match):
+    with pytest.raises(TypeError, match=match):
+        hc.callbacks.Accordion(low=low, high=high)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eta=0), "eta must be a positive number"),
+    (dict(interval=0), "interval must be 'epoch' or a number of steps"),
+    (dict(interval="batch"), "interval must be 'epoch' or a number of steps"),
+])
+def test_bad_detector_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hc.callbacks.Accordion(low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1),
+                               **kwargs)
+
+
+@pytest.mark.parametrize("small, large", [(8, 12), (8, 8), (0, 8), (8, 32.0)])
+def test_batch_sizes_must_be_multiples(small, large):
+    with pytest.raises(ValueError, match="small|large"):
+        hc.callbacks.AccordionBatchSize(small, large)
+
+
+def test_the_low_setting_may_be_uncompressed():
+    adaptive = AdaptiveCompression(hc.Compression.none, hc.Compression.onebit())
+    assert adaptive.settings[0] is None and "Compression.none" in repr(adaptive)
+
+
+@pytest.mark.parametrize("np_", [2])
+def test_switching_keeps_error_feedback_and_matches_numpy(np_):
+    """Forced switches every step or two: onebit <-> none (dist-EF-SGD), PowerSGD rank 3 <-> 1,
+    top-k 20% <-> 2%, against NumPy; the step is traced once."""
+    results = run_ranks("accordion.py", "--check=rules", np=np_)
+    assert all(r["digests"] == results[0]["digests"] for r in results)
+
+
+def test_mpi_ranks_switch_alike():
+    results = run_ranks("accordion.py", "--check=rules", np=2, launcher="mpi")
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_callback_decides_alike_on_every_rank_without_retracing():
+    results = run_ranks("accordion.py", "--check=fit", np=2)
+    first = results[0]
+    assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
+    assert first["traces"] == 1
+    regimes = [d["critical"] for d in first["decisions"]]
+    assert len(regimes) == 5 * first["steps_per_epoch"] // 7  # a decision every 7 steps
+    assert any(all(c) for c in regimes) and any(not any(c) for c in regimes)  # both settings were used
+    # The learning-rate drop before epoch 4 makes every layer critical at the first decision after it.
+    after_drop = next(d for d in first["decisions"] if d["step"] > 4 * first["steps_per_epoch"])
+    assert all(after_drop["critical"])
+    # Cumulative bytes: each interval's steps at the setting it ran with (the first one low).
+    logs, total, start, choice = first["logs"], 0.0, 0, [True, True]
+    for end, critical in [(d["step"], d["critical"]) for d in first["decisions"]] + [(5 * first["steps_per_epoch"],
+                                                                                     None)]:
+        per_step = first["dense_bytes"] + sum(b[0] if c else b[1] for b, c in zip(first["bytes_by_setting"], choice))
+        total, start, choice = total + (end - start) * per_step, end, critical
+    assert logs["cumulative_bytes"][-1] == pytest.approx(total)
+    assert logs["cumulative_bytes"][-1] < 5 * first["steps_per_epoch"] * first["uncompressed_bytes"] / 4
+    assert set(logs) >= {"accordion_critical/conv2d_1/kernel", "accordion_critical/dense/kernel", "bytes_per_step"}
+
+
+def test_batch_size_variant_follows_the_linear_rule_and_switches():
+    results = run_ranks("accordion.py", "--check=batch", np=2)
+    first = results[0]
+    assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
+    assert first["traces"] == 1
+    batch_sizes = first["logs"]["batch_size"]
+    assert set(batch_sizes) == {8.0, 32.0}  # both regimes were used
+    assert batch_sizes[5] == 8.0  # the learning-rate drop before epoch 5 makes it critical
+    # An optimizer step per batch of 8 in critical epochs, per 4 of them otherwise.
+    steps = first["steps_per_epoch"]
+    assert first["iterations"] == sum(steps if b == 8 else steps // 4 for b in batch_sizes)
+
+
+def test_resume_keeps_the_detector_history_and_choices(tmp_path):
+    """The resumed run sees the rate drop (its last rate comes from the checkpoint), decides
+    as the uninterrupted run did and ends with the same parameters and state."""
+    full = run_ranks("accordion.py", "--check=checkpoint", "--phase=full", f"--work_dir={tmp_path}", np=2)
+    resumed = run_ranks("accordion.py", "--check=checkpoint", "--phase=resume", f"--work_dir={tmp_path}", np=2)
+    for before, after in zip(full, resumed):
+        assert after == before
+    assert all(full[0]["decisions"][0]["critical"])  # the drop at epoch 3
+
+
+def test_accordion_trains_as_well_as_static_low_compression_with_fewer_bytes():
+    """examples/keras_accordion.py, PowerSGD rank 4 <-> 1 on 2 ranks, same seed and epochs.
+    One run each: within 1 point (3.6 of the 360 test images); the issue's 0.5 point is checked
+    on the mean of 3 seeds by benchmarks/accordion.py."""
+    low, adaptive = (run_ranks("accordion_digits.py", f"--mode={mode}", np=2, timeout=300)[0]
+                     for mode in ("low", "accordion"))
+    assert adaptive["test_accuracy"] >= low["test_accuracy"] - 0.01
+    assert adaptive["total_bytes"] <= 0.6 * low["total_bytes"]
+    regimes = [e["accordion_critical/dense/kernel"] for e in adaptive["epochs"]]
+    assert regimes[0] == 1.0 and 0.0 in regimes  # starts critical, then compresses more

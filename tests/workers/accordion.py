@@ -1,0 +1,188 @@
+"""Accordion on several ranks: the update rules across switches against NumPy, the Keras
+callbacks in model.fit (same decisions and parameters on every rank, no retrace), the
+batch-size variant's linear rule, and checkpoint/resume of the detector."""
+import hashlib
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+import np_reference as ref
+import update_rule as rule
+from _worker import report
+from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetector
+
+import digits
+
+flags.DEFINE_enum("check", "rules", ["rules", "fit", "batch", "checkpoint"], "What to run.")
+flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
+flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
+FLAGS = flags.FLAGS
+SCHEDULE = [LOW, HIGH, HIGH, LOW, HIGH, HIGH]  # one choice per step of rule.FLAGS.steps = 6
+
+
+def digest(arrays):
+    return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
+
+
+def run_switching(low, high, nesterov=True):
+    """update_rule's two variables trained with the choice of each step forced by SCHEDULE."""
+    keras = hc.require_legacy_keras()
+    w = tf.Variable(np.zeros(rule.SHAPE, np.float32), name="w")
+    b = tf.Variable(np.zeros(rule.DENSE, np.float32), name="b")
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(rule.BOUNDARIES, rule.RATES)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=rule.MU, nesterov=nesterov),
+                                  compression=high)
+    exchange = opt.compression_exchange
+    exchange.use_accordion(AdaptiveCompression(low, high), RegimeDetector())
+    opt.build([w, b])
+    step = tf.function(lambda gw, gb: opt.apply_gradients([(gw, w), (gb, b)]))
+    for t, choice in enumerate(SCHEDULE):
+        exchange.choice.assign([choice])
+        step(*map(tf.constant, rule.grads_of(hvd.rank(), t)))
+    assert step.experimental_get_tracing_count() == 1  # switching is a variable, not a retrace
+    accumulated = exchange.monitor.accumulated[0].numpy()
+    return w.numpy().reshape(-1), b.numpy(), accumulated
+
+
+def check_rules():
+    size, digests = hvd.size(), {}
+    rates = [rule.RATES[int(t > rule.BOUNDARIES[0])] for t in range(len(SCHEDULE))]
+    # onebit <-> uncompressed under dist-EF-SGD: e_i kept across, zero after a full-precision step.
+    w, b, accumulated = run_switching(hc.Compression.none, hc.Compression.onebit())
+    model = ref.DistEFSGD(int(np.prod(rule.SHAPE)), size, rule.MU, True, None, True)
+    want = np.zeros(int(np.prod(rule.SHAPE)), np.float32)
+    for t, choice in enumerate(SCHEDULE):
+        model.step(want, [rule.grads_of(r, t)[0].reshape(-1) for r in range(size)], rates[t],
+                   compressed=choice == HIGH)
+    np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg="onebit <-> none")
+    np.testing.assert_allclose(b, rule.reference_dense(True, size), rtol=1e-5, atol=1e-6)
+    # The detector saw this rank's local gradients, summed over the steps.
+    np.testing.assert_allclose(accumulated, sum(rule.grads_of(hvd.rank(), t)[0] for t in range(len(SCHEDULE))),
+                               rtol=1e-5, atol=1e-5)
+    digests["onebit"] = digest([w, b])
+    # PowerSGD rank 3 <-> 1: one error shared, a warm-started Q per rank.
+    low, high = hc.Compression.powersgd(rank=3, seed=2), hc.Compression.powersgd(rank=1, seed=2)
+    w, b, _ = run_switching(low, high)
+    want = rule.reference_powersgd(None, size, True, schedule=[[low, high][c] for c in SCHEDULE])
+    np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg="powersgd 3 <-> 1")
+    digests["powersgd"] = digest([w, b])
+    # top-k 20% <-> 2%: the residual carries over.
+    low, high = hc.Compression.topk(ratio=0.2), hc.Compression.topk(ratio=0.02)
+    w, b, _ = run_switching(low, high)
+    d = int(np.prod(rule.SHAPE))
+    x, m, e = np.zeros(d, np.float32), np.zeros(d, np.float32), [np.zeros(d, np.float32) for _ in range(size)]
+    for t, choice in enumerate(SCHEDULE):
+        k = [low, high][choice].num_selected(d)
+        total = np.zeros(d, np.float32)
+        for r in range(size):
+            a = rule.grads_of(r, t)[0].reshape(-1) + e[r]
+            sent = ref.scatter_dense(ref.top_k_abs(a, k)[1], ref.top_k_abs(a, k)[0], d)
+            e[r], total = a - sent, total + sent
+        ref.keras_sgd(x, m, total / np.float32(size), rates[t], rule.MU, True)
+    np.testing.assert_allclose(w, x, rtol=1e-5, atol=1e-6, err_msg="topk 20% <-> 2%")
+    digests["topk"] = digest([w, b])
+    report(hvd, digests=digests)
+
+
+def fixed_batches(batch_size):
+    """This rank's shard as the same batches every epoch (no shuffle state to restore)."""
+    (x, y), (x_test, y_test) = digits.load(0)
+    steps = len(x) // (hvd.size() * batch_size)
+    x, y = x[hvd.rank()::hvd.size()][:steps * batch_size], y[hvd.rank()::hvd.size()][:steps * batch_size]
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size), steps
+
+
+def compiled_cnn(compression=hc.Compression.none, lr=0.1):
+    keras = hc.require_legacy_keras()
+    tf.keras.utils.set_random_seed(0)
+    model = digits.cnn(keras, seed=0)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9, nesterov=True), compression=compression)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, opt
+
+
+def lr_drop_at(epoch, lr=0.1):
+    keras = hc.require_legacy_keras()
+    return keras.callbacks.LearningRateScheduler(lambda e: lr * (0.1 if e >= epoch else 1.0))
+
+
+def check_fit():
+    keras = hc.require_legacy_keras()
+    train, steps = fixed_batches(32)
+    model, opt = compiled_cnn()
+    accordion = hc.callbacks.Accordion(low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1),
+                                       interval=7)
+    history = model.fit(train, epochs=5, callbacks=[lr_drop_at(4), accordion, keras.callbacks.TerminateOnNaN()],
+                        verbose=0)
+    exchange = opt.compression_exchange
+    bytes_by_setting = [[ex.bytes_sent for ex in alternatives] for alternatives in exchange.alternatives]
+    report(hvd, model=digest(model.get_weights()), decisions=accordion.decisions,
+           traces=model.train_function.experimental_get_tracing_count(),
+           logs={key: [float(v) for v in values] for key, values in history.history.items()},
+           bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
+           steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
+
+
+def check_batch():
+    """AccordionBatchSize: k accumulated batches of 8 = one batch of 8k at k times the rate, and
+    the callback switches the number of passes in model.fit."""
+    keras = hc.require_legacy_keras()
+    (x, y), _ = digits.load(0)
+    x, y = x[hvd.rank()::hvd.size()][:256], y[hvd.rank()::hvd.size()][:256]
+    small, large = hc.callbacks.AccordionBatchSize(8, 32, verbose=0), None
+    model, opt = compiled_cnn(lr=0.05)
+    small.set_model(model)
+    small.on_train_begin()
+    opt.set_backward_passes_per_step(4)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    large, large_opt = compiled_cnn(lr=0.05 * 4)
+    large.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), large.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+    assert int(opt.iterations.numpy()) == int(large_opt.iterations.numpy()) == 256 // 32
+    # In model.fit, decided by the detector.
+    train, steps = fixed_batches(8)
+    model, opt = compiled_cnn(compression=hc.Compression.onebit(), lr=0.02)
+    callback = hc.callbacks.AccordionBatchSize(8, 32)
+    history = model.fit(train, epochs=6, callbacks=[lr_drop_at(5, 0.02), callback], verbose=0)
+    report(hvd, model=digest(model.get_weights()), decisions=callback.decisions,
+           iterations=int(opt.iterations.numpy()), steps_per_epoch=steps,
+           traces=model.train_function.experimental_get_tracing_count(),
+           logs={key: [float(v) for v in values] for key, values in history.history.items()})
+
+
+def check_checkpoint():
+    """6 epochs with a learning-rate drop at epoch 3; `full` saves after epoch 3 (per rank),
+    `resume` restores it in a new process and must decide and end exactly as `full`."""
+    work = pathlib.Path(FLAGS.work_dir) / f"rank{hvd.rank()}"
+    train, _ = fixed_batches(32)
+    model, opt = compiled_cnn(compression=hc.Compression.onebit())
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+    accordion = hc.callbacks.Accordion(low=hc.Compression.none, high=hc.Compression.onebit(), verbose=0)
+    callbacks = [lr_drop_at(3), accordion]
+    if FLAGS.phase == "full":
+        keras = hc.require_legacy_keras()
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: checkpoint.save(str(work / "ckpt")) if epoch == 2 else None))
+        first = 0
+    else:
+        checkpoint.restore(tf.train.latest_checkpoint(str(work))).assert_existing_objects_matched()
+        first = 3
+    model.fit(train, initial_epoch=first, epochs=6, callbacks=callbacks, verbose=0)
+    detector = accordion.detector
+    report(hvd, model=digest(model.get_weights()), optimizer=digest([v.numpy() for v in opt.variables]),
+           decisions=[d for d in accordion.decisions if d["epoch"] >= 3],
+           bytes_total=float(detector.bytes_total.numpy()), previous_norms=detector.previous_norms.numpy().tolist())
+
+
+def main(_):
+    hvd.init()
+    {"rules": check_rules, "fit": check_fit, "batch": check_batch, "checkpoint": check_checkpoint}[FLAGS.check]()
+
+
+if __name__ == "__main__":
+    app.run(main)
