@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench wire clean
 
 setup:
 	./scripts/setup.sh
@@ -21,6 +21,12 @@ bench: setup
 	$(PY) benchmarks/ops_throughput.py
 	$(PY) benchmarks/bytes_per_step.py
 	$(PY) benchmarks/straggler.py
+	$(PY) benchmarks/accordion.py
+	$(PY) benchmarks/convergence.py
+
+# Shaped links between network namespaces (needs root): tables at 100 Mbit/s, 1 and 10 Gbit/s.
+wire: setup
+	$(PY) benchmarks/wire.py
 
 clean:
 	rm -rf build hvd_compress/_tf_ops.so

@@ -9,16 +9,11 @@ the total bytes one worker sent (and their share of static low's), writes
 results/accordion.json and draws docs/img/accordion.png: the regime of each
 layer over the epochs, cumulative bytes, and test accuracy versus bytes.
 """
-import json
-import os
-import pathlib
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 from absl import app, flags
 
+import launch
 import results
 
 flags.DEFINE_integer("ranks", 2, "Ranks.")
@@ -30,25 +25,14 @@ flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (split, initial weights, shuf
 flags.DEFINE_string("out", "results/accordion.json", "The runs' JSON.")
 flags.DEFINE_string("plot", "docs/img/accordion.png", "The figure.")
 FLAGS = flags.FLAGS
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-
-def run(mode, seed, history):
-    horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
-    cmd = [str(horovodrun), "-np", str(FLAGS.ranks), "-H", f"localhost:{FLAGS.ranks}", "--gloo", sys.executable,
-           str(ROOT / "examples/keras_accordion.py"), f"--mode={mode}", f"--family={FLAGS.family}",
-           f"--epochs={FLAGS.epochs}", f"--seed={seed}", f"--lr_drops={','.join(FLAGS.lr_drops)}", f"--history={history}"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples"), TF_CPP_MIN_LOG_LEVEL="2")
-    subprocess.run(cmd, check=True, timeout=1200, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return json.loads(pathlib.Path(history).read_text())
-
+def run(mode, seed):
+    return launch.run_example("keras_accordion.py", FLAGS.ranks, [
+        f"--mode={mode}", f"--family={FLAGS.family}", f"--epochs={FLAGS.epochs}", f"--seed={seed}",
+        f"--lr_drops={','.join(FLAGS.lr_drops)}"])
 
 def plot(runs, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (regime, cumulative, accuracy) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (regime, cumulative, accuracy) = results.figure(3, width=5)
     accordion = runs.get("accordion")
     if accordion:
         layers = sorted(k for k in accordion["epochs"][0] if k.startswith("accordion_critical/"))
@@ -68,21 +52,15 @@ def plot(runs, path):
                  ylim=(0.8, 1.0))
     cumulative.legend()
     accuracy.legend()
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
-
+    results.save_figure(fig, path)
 
 def main(_):
     runs = {mode: [] for mode in FLAGS.modes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in FLAGS.seeds:
-            for mode in FLAGS.modes:
-                runs[mode].append(run(mode, seed, pathlib.Path(tmp) / f"{mode}.json"))
-                print(f"seed {seed}, {mode}: test accuracy {runs[mode][-1]['test_accuracy']:.4f}, "
-                      f"{runs[mode][-1]['total_bytes'] / 1e6:.3f} MB", flush=True)
+    for seed in FLAGS.seeds:
+        for mode in FLAGS.modes:
+            runs[mode].append(run(mode, seed))
+            print(f"seed {seed}, {mode}: test accuracy {runs[mode][-1]['test_accuracy']:.4f}, "
+                  f"{runs[mode][-1]['total_bytes'] / 1e6:.3f} MB", flush=True)
     mean = {mode: {key: float(np.mean([r[key] for r in rs])) for key in ("test_accuracy", "total_bytes")}
             for mode, rs in runs.items()}
     low = mean.get("low")
@@ -98,7 +76,6 @@ def main(_):
               f"{m['test_accuracy']:.4f} | {versus} | {m['total_bytes'] / 1e6:.3f} | {share} |")
     results.save(FLAGS.out, runs)
     plot({mode: rs[0] for mode, rs in runs.items()}, FLAGS.plot)
-
 
 if __name__ == "__main__":
     app.run(main)

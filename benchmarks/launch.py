@@ -33,22 +33,40 @@ def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
 
 
 def warm_step(keras, model, optimizer, batch_size, warmup=3):
-    """A compiled training step on one fixed random batch, already run `warmup` times."""
+    """A compiled training step on one fixed random batch, already run `warmup` times.
+
+    The step calls `optimizer.minimize(loss, variables, tape=tape)`, as Keras's
+    Model.train_step does: Horovod's own DistributedOptimizer allreduces in
+    compute_gradients, hvd_compress's optimizers in apply_gradients.
+    """
     import tensorflow as tf
 
-    width, classes = model.input_shape[-1], model.output_shape[-1]
+    classes = model.output_shape[-1]
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x = tf.random.normal([batch_size, width])
+    x = tf.random.normal([batch_size, *model.input_shape[1:]])
     y = tf.random.uniform([batch_size], 0, classes, tf.int64)
 
     @tf.function
     def step():
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
+        optimizer.minimize(loss, model.trainable_variables, tape=tape)
         return loss
 
     for _ in range(warmup):
         step().numpy()
     return step
+
+
+def run_example(script, ranks, flags, timeout=1200):
+    """Runs examples/<script> on `ranks` local Gloo ranks with --history; rank 0's history."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        history = pathlib.Path(tmp) / "history.json"
+        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
+        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
+               str(root / "examples" / script), f"--history={history}", *flags]
+        env = dict(os.environ, PYTHONPATH=str(root / "examples"), TF_CPP_MIN_LOG_LEVEL="2")
+        subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+        return json.loads(history.read_text())

@@ -3,6 +3,8 @@
 1797 images ship with scikit-learn, so nothing is downloaded. A fixed
 stratified 80/20 split; each rank trains on its own equal-size shard.
 """
+import hvd_compress  # first: selects Keras 2 for tf.keras
+
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
@@ -44,3 +46,27 @@ def cnn(keras, seed=0):
         keras.layers.Dense(32, activation="relu", kernel_initializer=init),
         keras.layers.Dense(10, kernel_initializer=init),
     ])
+
+
+class TestAccuracy(hvd_compress.require_legacy_keras().callbacks.Callback):
+    """Adds test_accuracy to every epoch's logs (for accuracy-versus-bytes curves)."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["test_accuracy"] = float(self.model.evaluate(self.x, self.y, verbose=0)[1])
+
+
+def epoch_logs(history, steps_per_epoch, bytes_per_step=None):
+    """One dict of floats per epoch from a Keras History, with cumulative_bytes (per worker):
+    from the logs when a callback counted them (Accordion), else steps x bytes_per_step."""
+    epochs, total = [], 0.0
+    for epoch in range(len(history.epoch)):
+        logs = {key: float(values[epoch]) for key, values in history.history.items()}
+        if "cumulative_bytes" not in logs:
+            total += steps_per_epoch * (logs["bytes_per_step"] if bytes_per_step is None else bytes_per_step)
+            logs["cumulative_bytes"] = total
+        epochs.append(logs)
+    return epochs

@@ -46,17 +46,6 @@ SETTINGS = {
 }
 
 
-class TestAccuracy(tf.keras.callbacks.Callback):
-    """Adds test_accuracy to every epoch's logs (for the accuracy-versus-bytes curve)."""
-
-    def __init__(self, x, y):
-        super().__init__()
-        self.x, self.y = x, y
-
-    def on_epoch_end(self, epoch, logs=None):
-        logs["test_accuracy"] = float(self.model.evaluate(self.x, self.y, verbose=0)[1])
-
-
 def main(_):
     keras = hc.require_legacy_keras()
     hvd.init()
@@ -75,7 +64,7 @@ def main(_):
         callbacks.append(hc.callbacks.Accordion(low=low, high=high, eta=FLAGS.eta))
     elif FLAGS.mode == "batch":
         callbacks.append(hc.callbacks.AccordionBatchSize(FLAGS.small_batch, FLAGS.large_batch, eta=FLAGS.eta))
-    callbacks += [hc.callbacks.CompressionMetrics(), TestAccuracy(x_test, y_test)]
+    callbacks += [hc.callbacks.CompressionMetrics(), digits.TestAccuracy(x_test, y_test)]
 
     model = digits.cnn(keras, FLAGS.seed)
     static = {"low": low, "high": high}.get(FLAGS.mode, high)
@@ -83,15 +72,9 @@ def main(_):
                                         compression=static)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    bytes_so_far, epochs = 0.0, []
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps, callbacks=callbacks,
                         verbose=2 if hvd.rank() == 0 else 0)
-    for epoch in range(FLAGS.epochs):
-        logs = {key: float(values[epoch]) for key, values in history.history.items()}
-        if "cumulative_bytes" not in logs:  # static: the same bytes every step
-            bytes_so_far += logs["bytes_per_step"] * steps
-            logs["cumulative_bytes"] = bytes_so_far
-        epochs.append(logs)
+    epochs = digits.epoch_logs(history, steps)
     accuracy, total = epochs[-1]["test_accuracy"], epochs[-1]["cumulative_bytes"]
     if hvd.rank() == 0:
         print(f"mode={FLAGS.mode} family={FLAGS.family} ranks={hvd.size()} test_accuracy={accuracy:.4f} "

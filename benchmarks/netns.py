@@ -1,0 +1,211 @@
+"""A shaped network for N local ranks: one network namespace per rank on a Linux bridge.
+
+    root namespace                      namespace hc-wire-<i> (rank i, host "hc-ns<i>")
+    bridge hcw-br 10.77.0.1/24 --- hcw-h<i> ====veth==== hcw-eth 10.77.0.(10+i)/24
+          (the launcher and its          tbf <rate>       tbf <rate>
+           rendezvous server)
+
+Every rank's link is shaped in both directions (the egress of both veth ends)
+with a token bucket: `tc qdisc add dev <veth> root tbf rate <rate> burst <B>
+latency 50ms`, so each rank uploads and downloads at <rate> at most, like a
+host on a switch port. B = max(4 ms of traffic at the rate, 64 KiB): the bucket
+must hold the largest packet (the veths keep MTU 1500 and their segmentation
+offloads, so TCP hands over up to 64 KiB at once), and a few milliseconds of
+slack let tbf keep its rate through timer and scheduling delays (one TCP
+stream measured here: 95.8 Mbit/s at 100mbit, 956 at 1gbit, i.e. the
+1448/1514 that headers leave, and 9.4 Gbit/s at 10gbit, near this VM's
+unshaped 10.6). Bursting changes a step's time by at most B / rate (4 to 5 ms).
+tbf charges each offloaded super-packet for the headers of all its 1500-byte
+frames, so the shaping is that of a real MTU-1500 link; the veth byte counters
+count one set of headers per super-packet.
+
+TCP is the kernel's default (cubic), except that slow_start_after_idle=False
+sets net.ipv4.tcp_slow_start_after_idle=0 in the namespaces, a common tuning
+on clusters: by default a connection idle for longer than its retransmission
+timeout (200 ms at least) starts again from a congestion window of 10
+segments, and the compute between two steps' exchanges is such a pause.
+
+Each namespace gets /etc/netns/<ns>/hosts (bind-mounted over /etc/hosts by
+`ip netns exec`) that resolves every rank's hostname to its address, and
+`command()` starts a rank under `unshare --uts` so that it can set its own
+hostname: Horovod's Gloo contexts bind the address their hostname resolves to.
+
+Only root can do this; `check_rights()` says why not, else None. `Network` is
+a context manager that removes everything it made (namespaces and the
+processes left in them, veths, bridge, /etc/netns/hc-wire-*), also what a
+crashed earlier run left behind; it holds a lock file meanwhile, so two runs
+take turns instead of tearing down each other's links.
+"""
+import atexit
+import fcntl
+import ipaddress
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+
+PREFIX = "hc-wire-"  # namespaces; leftovers with this prefix are removed
+BRIDGE = "hcw-br"
+HOST_VETH = "hcw-h{}"  # bridge-side end of rank i's link (root namespace)
+IFACE = "hcw-eth"  # namespace-side end, the same name in every namespace
+SUBNET = ipaddress.ip_network("10.77.0.0/24")
+BRIDGE_ADDRESS = "10.77.0.1"
+LOCK = pathlib.Path("/run/hc-wire.lock")
+ETC_NETNS = pathlib.Path("/etc/netns")
+LATENCY = "50ms"  # tbf queue: at most this much traffic waits, the rest is dropped
+
+
+def rate_bits(rate):
+    """tc's rate syntax ('100mbit', '1gbit', '1.5gbit', '800kbit', '9600bit') in bits per second."""
+    match = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.strip().lower())
+    if not match:
+        raise ValueError(f"rate must look like 100mbit, 1gbit or 10gbit, got {rate!r}.")
+    return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+
+
+def burst_bytes(rate):
+    """tbf bucket: 4 ms of traffic at line rate, at least 64 KiB (one offloaded TCP packet)."""
+    return max(int(rate_bits(rate) / 8 * 0.004), 64 * 1024)
+
+
+def _run(*argv):
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def _quiet(*argv):
+    subprocess.run(argv, capture_output=True, timeout=60)
+
+
+def check_rights():
+    """None if this process can build the network, else why not (for a message or pytest.skip)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces, veths and tc qdiscs"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs the `{tool}` command (iproute2 / util-linux)"
+    probe = f"hc-probe-{os.getpid()}"  # not PREFIX: a concurrent run's cleanup must not take it
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "-n", probe, "link", "add", "name", "hcp-a", "type", "veth", "peer", "name", "hcp-b")
+        _run("tc", "-n", probe, "qdisc", "add", "dev", "hcp-a", "root", "tbf", "rate", "1mbit",
+             "burst", "64kb", "latency", LATENCY)
+        _run("ip", "netns", "exec", probe, "unshare", "--uts", "--", "true")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        detail = (getattr(e, "stderr", "") or "").strip()
+        return f"cannot build a shaped network namespace ({' '.join(e.cmd)}: {detail or e})"
+    finally:
+        _quiet("ip", "netns", "del", probe)
+    return None
+
+
+def remove_all():
+    """Removes every namespace named hc-wire-* (killing what runs in it), the bridge, the veths
+    and /etc/netns/hc-wire-*: what this module makes, from this run or a crashed one."""
+    names = [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+    for ns in (n for n in names if n.startswith(PREFIX)):
+        for pid in _run("ip", "netns", "pids", ns).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _quiet("ip", "netns", "del", ns)  # also destroys the veth pair whose end is inside
+    for line in _run("ip", "-o", "link", "show").splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name == BRIDGE or re.fullmatch(HOST_VETH.format(r"\d+"), name):
+            _quiet("ip", "link", "del", name)
+    if ETC_NETNS.is_dir():
+        for path in ETC_NETNS.glob(f"{PREFIX}*"):
+            shutil.rmtree(path, ignore_errors=True)
+        if not any(ETC_NETNS.iterdir()):
+            ETC_NETNS.rmdir()
+
+
+class Network:
+    """`num_ranks` namespaces joined by links shaped to `rate`; see the module docstring.
+
+        with Network(2, "100mbit") as net:
+            subprocess.Popen(net.command(rank, [python, script, ...]), env=...)
+    """
+
+    def __init__(self, num_ranks, rate, slow_start_after_idle=True):
+        if not 1 <= num_ranks <= 200:
+            raise ValueError(f"num_ranks must be 1..200, got {num_ranks}.")
+        self.num_ranks, self.rate, self.burst = num_ranks, rate, burst_bytes(rate)
+        self.slow_start_after_idle = slow_start_after_idle
+        self.namespaces = [f"{PREFIX}{i}" for i in range(num_ranks)]
+        self.hostnames = [f"hc-ns{i}" for i in range(num_ranks)]
+        self.addresses = [str(SUBNET[10 + i]) for i in range(num_ranks)]
+        self.server_address, self.iface = BRIDGE_ADDRESS, IFACE
+        self._lock = None
+
+    def command(self, rank, argv):
+        """argv run as rank `rank`: inside its namespace, in a UTS namespace of its own."""
+        return ["ip", "netns", "exec", self.namespaces[rank], "unshare", "--uts", "--", *argv]
+
+    def __enter__(self):
+        self._lock = open(LOCK, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"netns: waiting for another run that holds {LOCK} ...", flush=True)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        atexit.register(self.close)
+        try:
+            remove_all()
+            self._check_subnet_is_free()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Removes the network (idempotent; also registered with atexit)."""
+        if self._lock is None:
+            return
+        try:
+            remove_all()
+        finally:
+            self._lock.close()  # releases the flock
+            self._lock = None
+            atexit.unregister(self.close)
+
+    def _check_subnet_is_free(self):
+        for line in _run("ip", "-o", "-4", "addr", "show").splitlines():
+            fields = line.split()
+            address = ipaddress.ip_interface(fields[fields.index("inet") + 1])
+            if address.network.overlaps(SUBNET):
+                raise RuntimeError(f"{SUBNET} is already used on this machine ({line.strip()}); "
+                                   "netns.py only uses its own private subnet and will not share it.")
+
+    def _shape(self, *where):
+        """tbf on the egress of one veth end; `where` is ('dev', name) or ('-n', ns, 'dev', name)."""
+        _run("tc", *where[:-2], "qdisc", "add", *where[-2:], "root", "tbf", "rate", self.rate,
+             "burst", str(self.burst), "latency", LATENCY)
+
+    def _build(self):
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        _run("ip", "addr", "add", f"{BRIDGE_ADDRESS}/{SUBNET.prefixlen}", "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{address} {hostname}\n" for address, hostname in zip(self.addresses, self.hostnames))
+        for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses)):
+            host_veth = HOST_VETH.format(i)
+            (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / ns / "hosts").write_text(hosts)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", "name", host_veth, "mtu", "1500", "type", "veth",
+                 "peer", "name", IFACE, "mtu", "1500", "netns", ns)
+            _run("ip", "link", "set", host_veth, "master", BRIDGE, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", IFACE)
+            _run("ip", "-n", ns, "link", "set", IFACE, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if not self.slow_start_after_idle:  # keep cwnd across the compute gaps between steps
+                _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+            self._shape("dev", host_veth)  # bridge -> rank i (its download)
+            self._shape("-n", ns, "dev", IFACE)  # rank i -> bridge (its upload)

@@ -1,0 +1,380 @@
+"""Step time and bytes per step on a real shaped link: N ranks, each in its own network namespace.
+
+    sudo .venv/bin/python benchmarks/wire.py                         # 100mbit,1gbit,10gbit x 2,4 ranks
+    .venv/bin/python benchmarks/wire.py --rates=100mbit --ranks=2 --models=mlp25m --methods=fp32,fp16,onebit
+
+Needs root (it exits with status 2 and says why otherwise). For every rate and
+number of ranks N it builds netns.Network(N, rate): rank i runs in namespace
+hc-wire-<i> as host hc-ns<i> (local_size 1, cross_size N), its only link a
+veth to a bridge in the root namespace, shaped to the rate in both directions
+(see netns.py). No horovodrun: this launcher starts Horovod's own
+RendezvousServer (bound to all addresses; the ranks reach it at the bridge's
+10.77.0.1), gives each rank the HOROVOD_* variables that horovodrun's Gloo
+launcher would (horovod.runner.gloo_run.create_run_env_vars and
+create_slot_env_vars), and runs `ip netns exec hc-wire-<i> unshare --uts --
+python wire.py --role=worker ...` with a hard timeout per job.
+
+Each worker trains `--warmup` steps, then, between two tiny allreduce
+barriers, `--steps` timed steps, and reads its own interface's kernel counters
+(/sys/class/net/hcw-eth/statistics, visible to it inside its namespace)
+around them; then it idles `--idle_s` seconds, when only Horovod's own control
+traffic crosses the link (its background loop negotiates every cycle, about
+1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
+it TCP payload). Per model, N and method the table shows:
+- step ms: the median step (forward, backward, exchange, update) of the slowest rank;
+- step vs fp32: fp32's step / this step, measured in the same run ("x faster");
+- accounted bytes/step: what one worker sends per step by the exchange's own
+  accounting (hvd_compress: opt.compression_exchange.bytes_sent; SGP:
+  opt.pushsum.bytes_sent; Horovod's fp32 / fp16: the ring allreduce, 2 (n-1)/n
+  of the 4- / 2-byte payload);
+- veth tx bytes/step: what left the rank's veth (mean over ranks), Ethernet,
+  IP and TCP headers included;
+- wire vs accounted: the TCP payload in those bytes (veth tx bytes minus
+  14 + 20 + 20 + 12 (TCP timestamps) = 66 B per packet sent) / accounted - 1.
+  What it adds to the accounting is Horovod's control traffic (per row:
+  control_payload_per_step_est and control_vs_accounted_est, the idle rate
+  times the step time; the loop does not negotiate while it runs a
+  collective, but each collective adds its own negotiation), the barriers,
+  and TCP retransmissions (retrans_per_step). Measured: within 2% for
+  payloads of megabytes (mlp4m, mlp25m); for the 20k-parameter CNN, whose
+  compressed payloads are a few kB per step, Horovod's negotiation adds as
+  much again (+10% to +50%). Protocol overhead: the veths keep MTU 1500 and their
+  segmentation offloads, so a packet here is up to 64 KiB and the raw counter
+  carries few headers (raw_vs_accounted); on a real MTU-1500 wire every
+  1448-byte segment carries 66 B of headers (+4.6%), plus the ACKs for what
+  the rank receives (66 B per one or two segments: +2.3% to +4.6%), about +7%
+  in all. The shaping charges that: tbf counts every segment's headers, so
+  100mbit carries at most 95.6 Mbit/s of payload.
+- fp32 bytes / method bytes: Horovod fp32 ring-allreduce bytes over the accounted bytes.
+Prints one markdown table per rate, the command that reproduces it, and
+writes every row (per-rank figures included) to --out.
+
+Methods (make_optimizer): fp32 and fp16 are Horovod's own
+horovod.tensorflow.keras.DistributedOptimizer; onebit, onebit_oneway, topk,
+randomk, sketch and powersgd are hc.DistributedOptimizer; sgp is
+hc.PushSumOptimizer; accordion_critical and accordion_calm are Accordion's
+PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
+(rank 1) regime, the regime detector's accumulation included. Models: mlp25m (25.2M parameters, communication-bound),
+mlp4m (4.2M, for the test), digits_cnn (examples/digits.py's CNN, 20k), all
+on random batches of --batch_size per rank.
+"""
+import json
+import os
+import pathlib
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+import launch  # noqa: E402
+import netns  # noqa: E402
+import results  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# make_optimizer's table:
+METHODS = ["fp32", "fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "powersgd", "sgp",
+           "accordion_critical", "accordion_calm"]
+MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
+        "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
+MODELS = [*MLPS, "digits_cnn"]
+
+flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher builds the network and starts the ranks.")
+flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc syntax), one table each.")
+flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
+flags.DEFINE_list("methods", METHODS, f"Methods, of {METHODS}.")
+flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
+flags.DEFINE_integer("steps", 10, "Timed steps.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first one traces).")
+flags.DEFINE_integer("batch_size", 32, "Batch per rank.")
+flags.DEFINE_bool("slow_start_after_idle", True, "Linux's default; false sets "
+                  "net.ipv4.tcp_slow_start_after_idle=0 in the ranks' namespaces (see netns.py).")
+flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, to measure Horovod's "
+                   "own control traffic.")
+flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
+                     "its ranks are killed.")
+flags.DEFINE_string("out", "results/wire.json", "launcher: the rows' JSON.")
+flags.DEFINE_string("method", None, "worker: the method.")
+flags.DEFINE_string("model", None, "worker: the model.")
+flags.DEFINE_string("result", None, "worker: where this rank writes its JSON.")
+FLAGS = flags.FLAGS
+
+
+def make_optimizer(hc, hvd, keras, method, base_optimizer):
+    """(optimizer, accounted): the optimizer for `method`, and accounted(num_params), the bytes one
+    worker sends per step by the exchange's own accounting (call it after the first step: hc's
+    exchanges are built then).
+
+    hvd is horovod.tensorflow.keras. To add a method, add a line: (constructor, accounting).
+    """
+    from hvd_compress.exchange import allreduce_bytes
+
+    n = hvd.size()
+    hc_exchange = lambda opt, params: opt.compression_exchange.bytes_sent  # noqa: E731
+
+    def ring(bytes_per_element):  # Horovod's own allreduce of every gradient
+        return lambda opt, params: allreduce_bytes(bytes_per_element * params, n)
+
+    def distributed(**kwargs):
+        return lambda: hc.DistributedOptimizer(base_optimizer, **kwargs)
+
+    def accordion():  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
+        opt = hc.DistributedOptimizer(base_optimizer)
+        opt.compression_exchange.use_accordion(
+            hc.accordion.AdaptiveCompression(hc.Compression.powersgd(rank=4), hc.Compression.powersgd(rank=1)),
+            hc.accordion.RegimeDetector())
+        return opt
+
+    table = {
+        "fp32": (lambda: hvd.DistributedOptimizer(base_optimizer), ring(4)),
+        "fp16": (lambda: hvd.DistributedOptimizer(base_optimizer, compression=hvd.Compression.fp16), ring(2)),
+        "onebit": (distributed(compression=hc.Compression.onebit(), two_way=True), hc_exchange),
+        "onebit_oneway": (distributed(compression=hc.Compression.onebit(), two_way=False), hc_exchange),
+        "topk": (distributed(compression=hc.Compression.topk(ratio=0.01)), hc_exchange),
+        "randomk": (distributed(compression=hc.Compression.randomk(ratio=0.01)), hc_exchange),
+        "sketch": (distributed(compression=hc.Compression.sketch(ratio=4)), hc_exchange),
+        "powersgd": (distributed(compression=hc.Compression.powersgd(rank=4)), hc_exchange),
+        "sgp": (lambda: hc.PushSumOptimizer(base_optimizer), lambda opt, params: opt.pushsum.bytes_sent),
+        "accordion_critical": (accordion, hc_exchange),
+        "accordion_calm": (accordion, hc_exchange),
+    }
+    if method not in table:
+        raise ValueError(f"unknown method {method!r}; known: {sorted(table)}")
+    make, accounting = table[method]
+    optimizer = make()
+    return optimizer, lambda num_params: float(accounting(optimizer, num_params))
+
+
+def build_model(keras, name):
+    if name == "digits_cnn":
+        sys.path.insert(0, str(REPO / "examples"))
+        import digits
+        return digits.cnn(keras)
+    return launch.mlp(keras, MLPS[name])
+
+
+def interface_counters(iface):
+    """This namespace's kernel counters for iface, and TCP's retransmitted segments."""
+    stats = pathlib.Path("/sys/class/net") / iface / "statistics"
+    counters = {k: int((stats / k).read_text()) for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")}
+    tcp = [line.split() for line in pathlib.Path("/proc/net/snmp").read_text().splitlines()
+           if line.startswith("Tcp:")]
+    counters["retrans"] = int(tcp[1][tcp[0].index("RetransSegs")])
+    return counters
+
+
+def header_bytes():
+    """Bytes of headers per TCP packet in this namespace: Ethernet 14, IPv4 20, TCP 20, timestamps 12."""
+    timestamps = pathlib.Path("/proc/sys/net/ipv4/tcp_timestamps").read_text().strip() != "0"
+    return 14 + 20 + 20 + (12 if timestamps else 0)
+
+
+def worker():
+    socket.sethostname(os.environ["HOROVOD_HOSTNAME"])  # our own UTS namespace (unshare --uts)
+    import hvd_compress as hc
+    import tensorflow as tf
+    from hvd_compress.exchange import allreduce_bytes
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)
+    model = build_model(keras, FLAGS.model)
+    opt, accounted = make_optimizer(hc, hvd_keras, keras, FLAGS.method,
+                                    keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True))
+    step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
+    if FLAGS.method == "accordion_calm":  # every layer switched to high compression (no retrace)
+        choice = opt.compression_exchange.choice
+        choice.assign(tf.ones_like(choice))
+        step().numpy()
+    iface = os.environ["HOROVOD_GLOO_IFACE"]
+
+    hvd.allreduce(tf.zeros([1]), name="wire.before").numpy()
+    before, times = interface_counters(iface), []
+    for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        step().numpy()
+        times.append(time.perf_counter() - start)
+    hvd.allreduce(tf.zeros([1]), name="wire.after").numpy()
+    after = interface_counters(iface)
+    start = time.perf_counter()  # no collective now: what crosses the link is Horovod's own
+    time.sleep(FLAGS.idle_s)
+    idle, idle_s = interface_counters(iface), time.perf_counter() - start
+    hvd.allreduce(tf.zeros([1]), name="wire.idle").numpy()
+
+    params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
+    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+        rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
+        step_ms=1000 * statistics.median(times), accounted=accounted(params),
+        fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
+        control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second
+        **{k: (after[k] - before[k]) / FLAGS.steps for k in after})))
+
+
+# -- launcher -------------------------------------------------------------------------------------
+def run_job(net, model, method):
+    """Runs one job on net's ranks; returns the ranks' JSON, ordered by rank."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    n = net.num_ranks
+    plan = get_host_assignments(parse_hosts(",".join(f"{h}:1" for h in net.hostnames)), n)
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
+        tmp = pathlib.Path(tmp)
+        try:
+            for slot in plan:
+                env = dict(os.environ, **create_run_env_vars(net.server_address, [net.iface], port),
+                           **create_slot_env_vars(slot))
+                env.update(TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
+                           TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                           TF_CPP_MIN_LOG_LEVEL="2")
+                env = {k: str(v) for k, v in env.items()}
+                argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker",
+                        f"--model={model}", f"--method={method}", f"--steps={FLAGS.steps}",
+                        f"--warmup={FLAGS.warmup}", f"--batch_size={FLAGS.batch_size}",
+                        f"--idle_s={FLAGS.idle_s}",
+                        f"--result={tmp / f'rank{slot.rank}.json'}"]
+                with open(tmp / f"rank{slot.rank}.log", "w") as log:
+                    procs.append(subprocess.Popen(net.command(slot.rank, argv), env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            wait_all(procs, FLAGS.timeout, lambda: logs(tmp, n), f"{model} {method} on {n} ranks")
+            return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it has just exited
+                        pass
+                    p.wait()
+            server.stop()
+
+
+def wait_all(procs, timeout, logs_fn, what):
+    """Waits for every rank; kills them all at the first failure or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            reason = (f"rank {procs.index(failed[0])} exited with {failed[0].returncode}" if failed
+                      else f"timed out after {timeout}s")
+            raise RuntimeError(f"{what}: {reason}; the ranks were killed.\n{logs_fn()}")
+        time.sleep(0.2)
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{what}: exit codes {[p.returncode for p in procs]}.\n{logs_fn()}")
+
+
+def logs(tmp, n, lines=30):
+    return "\n".join(f"--- rank {r} (last {lines} lines) ---\n" + "\n".join(
+        (tmp / f"rank{r}.log").read_text(errors="replace").splitlines()[-lines:]) for r in range(n))
+
+
+def summarize(rate, model, method, ranks):
+    """One table row from the ranks' figures."""
+    mean = lambda key: statistics.fmean(r[key] for r in ranks)  # noqa: E731
+    payload = [r["tx_bytes"] - r["header_bytes"] * r["tx_packets"] for r in ranks]
+    # Horovod's control traffic in a step, estimated as its idle rate times the step time: the
+    # background loop does not negotiate while it runs a collective (less), but each collective
+    # adds its own negotiation (more).
+    control = [(r["control"]["tx_bytes"] - r["header_bytes"] * r["control"]["tx_packets"])
+               * r["step_ms"] / 1000 for r in ranks]
+    accounted = mean("accounted")
+    return dict(
+        rate=rate, model=model, ranks=len(ranks), method=method, params=ranks[0]["params"],
+        step_ms=max(r["step_ms"] for r in ranks), accounted=accounted, fp32_allreduce=mean("fp32_allreduce"),
+        veth_tx_bytes=mean("tx_bytes"), veth_tx_packets=mean("tx_packets"), veth_rx_bytes=mean("rx_bytes"),
+        tcp_payload=statistics.fmean(payload), retrans_per_step=mean("retrans"),
+        control_tx_bytes_per_s=statistics.fmean(r["control"]["tx_bytes"] for r in ranks),
+        control_payload_per_step_est=statistics.fmean(control),
+        raw_vs_accounted=mean("tx_bytes") / accounted - 1,
+        wire_vs_accounted=statistics.fmean(payload) / accounted - 1,
+        control_vs_accounted_est=statistics.fmean(control) / accounted,
+        steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
+        slow_start_after_idle=FLAGS.slow_start_after_idle, per_rank=ranks)
+
+
+def print_table(rate, rows):
+    print(f"\n### {rate}\n")
+    print("| model | n | method | step ms | step vs fp32 | accounted bytes/step | veth tx bytes/step "
+          "| wire vs accounted | fp32 bytes / method bytes |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fp32 = next((x for x in rows if x["model"] == r["model"] and x["ranks"] == r["ranks"]
+                     and x["method"] == "fp32"), None)
+        faster = f"{fp32['step_ms'] / r['step_ms']:.2f}x" if fp32 else "-"
+        print(f"| {r['model']} | {r['ranks']} | {r['method']} | {r['step_ms']:.1f} | {faster} | "
+              f"{r['accounted']:,.0f} | {r['veth_tx_bytes']:,.0f} | {r['wire_vs_accounted']:+.2%} | "
+              f"{r['fp32_allreduce'] / r['accounted']:.1f}x |")
+
+
+def command_line():
+    script = os.path.relpath(pathlib.Path(__file__).resolve())
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    return shlex.join([python, script, f"--rates={','.join(FLAGS.rates)}", f"--ranks={','.join(FLAGS.ranks)}",
+                       f"--models={','.join(FLAGS.models)}", f"--methods={','.join(FLAGS.methods)}",
+                       f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+                       f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}",
+                       f"--slow_start_after_idle={str(FLAGS.slow_start_after_idle).lower()}",
+                       f"--timeout={FLAGS.timeout}", f"--out={FLAGS.out}"])
+
+
+def exit_on_signals():
+    """Ctrl-C (even where a shell started us with SIGINT ignored), SIGTERM and SIGHUP end the
+    launcher with an exception, so every finally block cleans up."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+
+def main(_):
+    if FLAGS.role == "worker":
+        return worker()
+    for name, chosen, known in (("methods", FLAGS.methods, METHODS), ("models", FLAGS.models, MODELS)):
+        if set(chosen) - set(known):
+            sys.exit(f"wire.py: unknown {name} {sorted(set(chosen) - set(known))}; known: {known}")
+    for rate in FLAGS.rates:
+        netns.rate_bits(rate)  # a bad rate fails now, not after an hour of measurements
+    reason = netns.check_rights()
+    if reason:
+        print(f"wire.py: cannot run: {reason}.", file=sys.stderr)
+        sys.exit(2)
+    exit_on_signals()
+    rows = []
+    for rate in FLAGS.rates:
+        for n in map(int, FLAGS.ranks):
+            with netns.Network(n, rate, FLAGS.slow_start_after_idle) as net:
+                for model in FLAGS.models:
+                    for method in FLAGS.methods:
+                        rows.append(summarize(rate, model, method, run_job(net, model, method)))
+                        r = rows[-1]
+                        print(f"{rate} n={n} {model} {method}: step {r['step_ms']:.1f} ms, accounted "
+                              f"{r['accounted']:,.0f} B, veth tx {r['veth_tx_bytes']:,.0f} B "
+                              f"(TCP payload {r['wire_vs_accounted']:+.2%} vs accounted; Horovod's idle "
+                              f"control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s, would be "
+                              f"{r['control_vs_accounted_est']:+.2%} over a step)", flush=True)
+    for rate in FLAGS.rates:
+        print_table(rate, [r for r in rows if r["rate"] == rate])
+    params = sorted({(r["model"], r["params"]) for r in rows})
+    print(f"\nParameters: {', '.join(f'{model} {count:,}' for model, count in params)}. "
+          f"Batch {FLAGS.batch_size} per rank, {FLAGS.steps} timed steps after {FLAGS.warmup}, "
+          f"{os.cpu_count()} CPU cores shared by the ranks, TCP slow start after idle "
+          f"{'on (Linux default)' if FLAGS.slow_start_after_idle else 'off'}.")
+    print(f"\nReproduce with:\n    {command_line()}")
+    results.save(FLAGS.out, rows)
+
+
+if __name__ == "__main__":
+    app.run(main)
