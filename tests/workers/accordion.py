@@ -70,21 +70,18 @@ def check_rules():
     want = rule.reference_powersgd(None, size, True, schedule=[[low, high][c] for c in SCHEDULE])
     np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg="powersgd 3 <-> 1")
     digests["powersgd"] = digest([w, b])
-    # top-k 20% <-> 2%: the residual carries over.
-    low, high = hc.Compression.topk(ratio=0.2), hc.Compression.topk(ratio=0.02)
-    w, b, _ = run_switching(low, high)
-    d = int(np.prod(rule.SHAPE))
-    x, m, e = np.zeros(d, np.float32), np.zeros(d, np.float32), [np.zeros(d, np.float32) for _ in range(size)]
-    for t, choice in enumerate(SCHEDULE):
-        k = [low, high][choice].num_selected(d)
-        total = np.zeros(d, np.float32)
-        for r in range(size):
-            a = rule.grads_of(r, t)[0].reshape(-1) + e[r]
-            sent = ref.scatter_dense(ref.top_k_abs(a, k)[1], ref.top_k_abs(a, k)[0], d)
-            e[r], total = a - sent, total + sent
-        ref.keras_sgd(x, m, total / np.float32(size), rates[t], rule.MU, True)
-    np.testing.assert_allclose(w, x, rtol=1e-5, atol=1e-6, err_msg="topk 20% <-> 2%")
-    digests["topk"] = digest([w, b])
+    # top-k 20% <-> 2% and random-k 25% <-> 5%: the residual carries over.
+    for name, low, high in (("topk", hc.Compression.topk(ratio=0.2), hc.Compression.topk(ratio=0.02)),
+                            ("randomk", hc.Compression.randomk(ratio=0.25, seed=3),
+                             hc.Compression.randomk(ratio=0.05, seed=3))):
+        w, b, _ = run_switching(low, high)
+        want = rule.reference_sparse(None, size, True, schedule=[[low, high][c] for c in SCHEDULE])
+        np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} switching")
+        digests[name] = digest([w, b])
+    # Sketch 2x <-> 6x fewer floats (sketched SGD's direct update): the same on every rank.
+    w, b, _ = run_switching(hc.Compression.sketch(ratio=2, seed=5), hc.Compression.sketch(ratio=6, seed=5))
+    assert np.all(np.isfinite(w)) and np.count_nonzero(w) > 0.05 * w.size
+    digests["sketch"] = digest([w, b])
     report(hvd, digests=digests)
 
 

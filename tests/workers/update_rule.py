@@ -57,13 +57,15 @@ def reference_onebit(block_size, two_way, nesterov, size):
     return x
 
 
-def reference_sparse(compression, size, nesterov):
-    """Plain error feedback on gradients, then Keras SGD on the averaged sparse gradient."""
+def reference_sparse(compression, size, nesterov, schedule=None):
+    """Plain error feedback on gradients, then Keras SGD on the averaged sparse gradient.
+    schedule: the compressor of each step (Accordion switching ratios: one shared error)."""
+    schedule = schedule or [compression] * FLAGS.steps
     d = int(np.prod(SHAPE))
-    k = compression.num_selected(d)
     x, m = np.zeros(d, np.float32), np.zeros(d, np.float32)
     e = [np.zeros(d, np.float32) for _ in range(size)]
-    for t in range(FLAGS.steps):
+    for t, compression in enumerate(schedule):
+        k = compression.num_selected(d)
         total = np.zeros(d, np.float32)
         for r in range(size):
             a = grads_of(r, t)[0].reshape(-1) + e[r]
