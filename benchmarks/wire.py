@@ -191,9 +191,9 @@ def worker():
     opt, accounted = make_optimizer(hc, hvd_keras, keras, FLAGS.method,
                                     keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True))
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
-    if FLAGS.method == "accordion_calm":  # every layer switched to high compression (no retrace)
-        choice = opt.compression_exchange.choice
-        choice.assign(tf.ones_like(choice))
+    if FLAGS.method == "accordion_calm":  # every layer calm, so at high compression (no retrace)
+        critical = opt.compression_exchange.monitor.critical
+        critical.assign(tf.zeros_like(critical))
         step().numpy()
     iface = os.environ["HOROVOD_GLOO_IFACE"]
 

@@ -18,8 +18,9 @@ decision is broadcast from rank 0, so every rank runs the same collectives.
 
 Switching compression. `AdaptiveCompression(low, high)` makes the exchange
 plan both settings for every compressed tensor (one tensor per bucket, so
-each layer switches alone) and pick one per step with `tf.cond` on a choice
-variable: a switch is a variable assignment, never a retrace. Error feedback
+each layer switches alone) and pick one per step with `tf.cond` on the
+detector's regime variable: a switch is a variable assignment, never a
+retrace. Error feedback
 is kept across a switch: the residual is whatever was not yet sent, under
 either setting, and the next step adds it back. Each setting keeps its own
 extra state (PowerSGD's warm-started Q per rank, the onebit server
@@ -29,7 +30,7 @@ sketch size) or `Compression.none` (full-precision allreduce, which sends
 the residual too and so leaves it zero).
 
 State. The accumulated gradients, the previous norms, the last learning
-rate, the current choices and the byte count are optimizer variables, so a
+rate, the current regimes and the byte count are optimizer variables, so a
 checkpoint keeps the detector's history and a resumed run decides as the
 uninterrupted one would.
 """

@@ -124,7 +124,7 @@ class Accordion(_RegimeSwitching):
         exchange.use_accordion(self.compression, self.detector)
 
     def _apply(self, critical):
-        self._exchange().choice.assign(np.where(critical, accordion.LOW, accordion.HIGH).astype(np.float32))
+        """Nothing to do: the exchange reads the detector's regimes in every step."""
 
     def _describe(self, critical):
         return f"{int(np.sum(critical))} of {len(critical)} layers at low compression"

@@ -46,7 +46,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops
-from hvd_compress.accordion import AdaptiveCompression
+from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression
 from hvd_compress.compression import (Compression, OneBitCompressor, PowerSGDCompressor,
                                       RandomKCompressor, StatefulCompressor, TopKCompressor)
 from hvd_compress.keras_compat import require_legacy_keras
@@ -146,6 +146,9 @@ class GradientExchange(tf.Module):
         if self.monitor is not None and repr(detector) != repr(self.monitor):
             raise ValueError(f"This optimizer is already watched by {self.monitor!r}; use one Accordion "
                              "callback (compression or batch size) per optimizer.")
+        if isinstance(compression, AdaptiveCompression) and detector.groups != "variable":
+            raise ValueError("Adaptive compression follows the regime of each compressed variable: "
+                             "it needs a RegimeDetector(groups='variable').")
         self.compression, self.monitor = compression, detector
 
     def _plan(self, c, bucket, b, k):
@@ -212,8 +215,6 @@ class GradientExchange(tf.Module):
                                           self._shared_normal(ex.compressor, b, j))
                              for j, (_, m) in enumerate(ex.matrices)]
                     self.low_rank_q.extend(ex.qs)
-        if self.adaptive:
-            self.choice = new_variable([len(self.alternatives)], "accordion_choice")  # 0: LOW, 1: HIGH
         if self.monitor is not None:
             self.monitor.build(variables, self.layout, new_slot, new_variable)
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
@@ -253,10 +254,11 @@ class GradientExchange(tf.Module):
 
     @property
     def exchanges(self):
-        """The exchange each bucket runs now (Accordion: the current setting)."""
+        """The exchange each bucket runs now (Accordion: the setting of its regime, critical -> low)."""
         if not self.adaptive:
             return [alternatives[0] for alternatives in self.alternatives]
-        return [alternatives[k] for alternatives, k in zip(self.alternatives, self.choice.numpy().astype(int))]
+        return [alternatives[LOW if critical else HIGH]
+                for alternatives, critical in zip(self.alternatives, self.monitor.critical.numpy() > 0.5)]
 
     @property
     def bytes_sent(self):
@@ -309,9 +311,9 @@ class GradientExchange(tf.Module):
                               for i in bucket], 0)
             if len(alternatives) == 1:
                 sent, update = self._exchange(alternatives[0], b, bucket, flat, step)
-            else:  # Accordion: both settings are in the graph, a variable picks one (no retrace)
+            else:  # Accordion: both settings are in the graph, the detector's regime picks one (no retrace)
                 low, high = (lambda ex=ex: self._exchange(ex, b, bucket, flat, step) for ex in alternatives)
-                sent, update = tf.cond(self.choice[b] > 0.5, high, low)
+                sent, update = tf.cond(self.monitor.critical[b] > 0.5, low, high)
             residual, offset = flat - sent, 0
             if self.op == hvd.Sum:
                 update = update * self.process_set.size()

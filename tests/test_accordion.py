@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hvd_compress as hc
-from hvd_compress.accordion import AdaptiveCompression, critical_regime
+from hvd_compress.accordion import AdaptiveCompression, RegimeDetector, critical_regime
 from hvdrun import run_ranks
 
 
@@ -44,6 +44,13 @@ def test_batch_sizes_must_be_multiples(small, large):
 def test_the_low_setting_may_be_uncompressed():
     adaptive = AdaptiveCompression(hc.Compression.none, hc.Compression.onebit())
     assert adaptive.settings[0] is None and "Compression.none" in repr(adaptive)
+
+
+def test_adaptive_compression_needs_the_regime_of_every_variable():
+    exchange = hc.GradientExchange(hc.Compression.onebit())
+    with pytest.raises(ValueError, match="groups='variable'"):
+        exchange.use_accordion(AdaptiveCompression(hc.Compression.none, hc.Compression.onebit()),
+                               RegimeDetector(groups="model"))
 
 
 @pytest.mark.parametrize("np_", [2])

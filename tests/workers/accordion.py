@@ -41,7 +41,7 @@ def run_switching(low, high, nesterov=True):
     opt.build([w, b])
     step = tf.function(lambda gw, gb: opt.apply_gradients([(gw, w), (gb, b)]))
     for t, choice in enumerate(SCHEDULE):
-        exchange.choice.assign([choice])
+        exchange.monitor.critical.assign([float(choice == LOW)])
         step(*map(tf.constant, rule.grads_of(hvd.rank(), t)))
     assert step.experimental_get_tracing_count() == 1  # switching is a variable, not a retrace
     accumulated = exchange.monitor.accumulated[0].numpy()
