@@ -19,17 +19,22 @@ def mlp(keras, layers):
         for i, units in enumerate(layers[1:])])
 
 
-def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
-    """Runs `script --role=worker <flags> --result=...` on `ranks` local Gloo ranks; rank 0's JSON."""
+def _run_for_json(script, ranks, flags, json_flag, env, timeout):
+    """Runs `script <flags> --<json_flag>=<file>` on `ranks` local Gloo ranks; the JSON rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
-        result = pathlib.Path(tmp) / "result.json"
+        output = pathlib.Path(tmp) / "output.json"
         horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
         cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
-               str(script), "--role=worker", f"--result={result}", *flags]
-        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads_per_rank), TF_NUM_INTEROP_THREADS="1")
-        subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
+               str(script), *flags, f"--{json_flag}={output}"]
+        subprocess.run(cmd, check=True, timeout=timeout, env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE)
-        return json.loads(result.read_text())
+        return json.loads(output.read_text())
+
+
+def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
+    """Runs `script --role=worker <flags> --result=...` on `ranks` local Gloo ranks; rank 0's JSON."""
+    return _run_for_json(script, ranks, ["--role=worker", *flags], "result",
+                         dict(TF_NUM_INTRAOP_THREADS=str(threads_per_rank), TF_NUM_INTEROP_THREADS="1"), timeout)
 
 
 def warm_step(keras, model, optimizer, batch_size, warmup=3):
@@ -60,13 +65,6 @@ def warm_step(keras, model, optimizer, batch_size, warmup=3):
 
 def run_example(script, ranks, flags, timeout=1200):
     """Runs examples/<script> on `ranks` local Gloo ranks with --history; rank 0's history."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as tmp:
-        history = pathlib.Path(tmp) / "history.json"
-        horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
-        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
-               str(root / "examples" / script), f"--history={history}", *flags]
-        env = dict(os.environ, PYTHONPATH=str(root / "examples"), TF_CPP_MIN_LOG_LEVEL="2")
-        subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
-        return json.loads(history.read_text())
+    examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
+    return _run_for_json(examples / script, ranks, flags, "history",
+                         dict(PYTHONPATH=str(examples), TF_CPP_MIN_LOG_LEVEL="2"), timeout)
