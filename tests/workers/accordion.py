@@ -48,6 +48,27 @@ def run_switching(low, high, nesterov=True):
     return w.numpy().reshape(-1), b.numpy(), accumulated
 
 
+def check_decisions(accumulated):
+    """RegimeDetector.decide on every rank: no history -> critical; the same norms -> calm; the
+    same norms after a learning-rate drop -> critical."""
+    w = tf.Variable(np.zeros(rule.SHAPE, np.float32))
+    detector = RegimeDetector(eta=0.5)
+    layout = type("Layout", (), dict(compressed=[0], empty=[]))
+    detector.build([w], layout, lambda v, name: tf.Variable(tf.zeros_like(v)),
+                   lambda shape, name, initializer="zeros": tf.Variable(
+                       {"zeros": tf.zeros, "ones": tf.ones}[initializer](shape)))
+    regimes = []
+    for learning_rate in (0.1, 0.1, 0.01):
+        detector.accumulated[0].assign(accumulated)
+        detector.steps.assign(3.0)
+        critical, norms = detector.decide(learning_rate)
+        regimes.append(bool(critical[0]))
+        assert detector.steps.numpy() == 0 and not detector.accumulated[0].numpy().any()
+    assert regimes == [True, False, True], regimes
+    # The norm is the mean over ranks of each rank's accumulated-gradient norm.
+    assert np.isclose(norms[0], hvd.allreduce(tf.norm(accumulated), op=hvd.Average).numpy(), rtol=1e-5)
+
+
 def check_rules():
     size, digests = hvd.size(), {}
     rates = [rule.RATES[int(t > rule.BOUNDARIES[0])] for t in range(len(SCHEDULE))]
@@ -64,6 +85,7 @@ def check_rules():
     np.testing.assert_allclose(accumulated, sum(rule.grads_of(hvd.rank(), t)[0] for t in range(len(SCHEDULE))),
                                rtol=1e-5, atol=1e-5)
     digests["onebit"] = digest([w, b])
+    check_decisions(accumulated)
     # PowerSGD rank 3 <-> 1: one error shared, a warm-started Q per rank.
     low, high = hc.Compression.powersgd(rank=3, seed=2), hc.Compression.powersgd(rank=1, seed=2)
     w, b, _ = run_switching(low, high)
