@@ -14,9 +14,10 @@ from hvd_compress.compression import Compression, Compressor  # noqa: E402
 from hvd_compress.keras_compat import require_legacy_keras  # noqa: E402
 from hvd_compress.optimizer import (DistributedGradientTape, DistributedOptimizer,  # noqa: E402
                                     GradientExchange, load_model)
-from hvd_compress import accordion, callbacks, gossip  # noqa: E402
+from hvd_compress import accordion, callbacks, elastic, gossip, state  # noqa: E402
 from hvd_compress.gossip import PushSumOptimizer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["accordion", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer", "GradientExchange", "PushSumOptimizer", "callbacks", "gossip", "load_model",
-           "require_legacy_keras"]
+__all__ = ["accordion", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
+           "GradientExchange", "PushSumOptimizer", "callbacks", "elastic", "gossip", "load_model",
+           "require_legacy_keras", "state"]

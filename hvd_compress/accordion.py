@@ -41,6 +41,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress.compression import NoneCompressor, StatefulCompressor
+from hvd_compress.state import PER_RANK, REPLICATED, StateSpec
 
 log = logging.getLogger("hvd_compress.accordion")
 
@@ -114,20 +115,27 @@ class RegimeDetector:
     def __repr__(self):
         return f"RegimeDetector(eta={self.eta}, groups={self.groups!r})"
 
-    def build(self, variables, layout, new_slot, new_variable):
+    def build(self, variable_names, layout, new_state):
+        """Creates the detector's state through the exchange's new_state(StateSpec): the local
+        gradient sums are per-rank, the interval's history and the regimes replicated."""
         if self.groups == "variable":
             self.members = [[i] for i in layout.compressed]
-            self.names = [variables[i].name.split(":")[0] for i in layout.compressed]
+            self.names = [variable_names[i].split(":")[0] for i in layout.compressed]
         else:
-            self.members = [[i for i in range(len(variables)) if i not in layout.empty]]
+            self.members = [[i for i in range(len(variable_names)) if i not in layout.empty]]
             self.names = ["model"]
         watched = sorted({i for group in self.members for i in group})
-        self.accumulated = {i: new_slot(variables[i], "accordion_accumulated") for i in watched}
-        self.steps = new_variable([], "accordion_steps")
-        self.previous_norms = new_variable([len(self.members)], "accordion_previous_norms")
-        self.last_learning_rate = new_variable([], "accordion_last_learning_rate")
-        self.critical = new_variable([len(self.members)], "accordion_critical", "ones")
-        self.bytes_total = new_variable([], "accordion_bytes_total")
+        self.accumulated = {i: new_state(StateSpec(f"accordion_accumulated/{i}", layout.shapes[i], PER_RANK))
+                            for i in watched}
+
+        def replicated(name, shape, initializer=None):
+            return new_state(StateSpec(f"accordion_{name}/all", shape, REPLICATED, initializer=initializer))
+
+        self.steps = replicated("steps", ())
+        self.previous_norms = replicated("previous_norms", (len(self.members),))
+        self.last_learning_rate = replicated("last_learning_rate", ())
+        self.critical = replicated("critical", (len(self.members),), tf.ones)
+        self.bytes_total = replicated("bytes_total", ())
         self.built = True
 
     def observe(self, grads):

@@ -1,9 +1,16 @@
-"""How payloads travel between ranks, and the bytes that costs.
+"""How payloads travel between ranks, the state each exchange needs, and the bytes it costs.
 
-Each exchange is pure: tensors in, tensors out, no state (the optimizer owns
-residuals and passes them in). Each knows, from the static layout, the bytes
-one worker sends per step (`bytes_sent`), counted for the algorithms Horovod's
-CPU back ends run:
+An exchange moves one fused bucket of error-fed values `flat` between ranks.
+It declares the state it needs (`state`: StateSpecs with a name, shape and
+scope, see state.py); the GradientExchange creates it once and passes it to
+every step as a dict of variables. A step returns a `Step`: what this worker
+sent (its residual is flat - sent), the mean update, the new values of its
+state, and (sketched SGD) the coordinates where the update was applied. So
+a new compressor is one compressor class (compression.py) and one exchange
+class here, entered in `EXCHANGES`.
+
+Each knows, from the static layout, the bytes one worker sends per step
+(`bytes_sent`), counted for the algorithms Horovod's CPU back ends run:
 - allreduce: ring (reduce-scatter + allgather), 2 (n-1)/n of the payload;
 - allgather: a worker's payload reaches the n - 1 others;
 - alltoall: a worker sends every shard but its own.
@@ -14,11 +21,18 @@ any rank's input makes the affected part of everybody's update non-finite
 (the sign scales and the top-k selection do this by construction; random-k
 adds a one-float "poison" sum), so no rank silently applies a finite update.
 """
+import math
+from typing import NamedTuple, Optional
+
 import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import ops
+from hvd_compress.compression import (OneBitCompressor, PowerSGDCompressor, RandomKCompressor,
+                                      TopKCompressor)
+from hvd_compress.sketch import SketchCompressor
+from hvd_compress.state import REPLICATED, SHARDED, StateSpec
 
 
 def allreduce_bytes(payload_bytes, size):
@@ -49,14 +63,53 @@ def poison(x):
     return tf.reduce_sum(x * 0.0)
 
 
+class Bucket(NamedTuple):
+    """What an exchange is planned for: one fused bucket on one world."""
+    index: int  # position among the buckets (salts shared random draws)
+    shapes: list  # of the tensors fused in it, in order
+    rank: int
+    size: int
+    process_set: object
+    name: str  # prefix of its collectives' names
+    two_way: bool  # onebit: sharded server (True) or allgather (False)
+
+    @property
+    def sizes(self):
+        return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+
+    @property
+    def num_elements(self):
+        return sum(self.sizes)
+
+
+class Step(NamedTuple):
+    """What one exchange step returns."""
+    sent: tf.Tensor  # what this worker sent: its residual is flat - sent
+    update: tf.Tensor  # the mean update of all workers
+    state: dict = {}  # new values of the exchange's state, by name
+    applied: Optional[tf.Tensor] = None  # indices where the update was applied (sketched SGD)
+
+
+class Exchange:
+    """The contract of every exchange (see the module docstring)."""
+
+    #: the StateSpecs this exchange needs, created once by the GradientExchange
+    state = ()
+    bytes_sent = 0.0
+
+    def __call__(self, flat, state, step):
+        """flat: float32 [n] error-fed values; state: {name: variable}; step: the optimizer step.
+        Returns a Step."""
+        raise NotImplementedError
+
 class DenseAllreduce:
     """Tensors that are not compressed, fused into one grouped allreduce (Horovod's own
     path), optionally through a sum-compatible Horovod compressor (none, fp16)."""
 
-    def __init__(self, variables, compression, size, process_set, op, gradient_predivide_factor, name):
+    def __init__(self, shapes, dtypes, compression, size, process_set, op, gradient_predivide_factor, name):
         self.compression, self.size, self.process_set, self.op = compression, size, process_set, op
         self.predivide, self.name = gradient_predivide_factor, name
-        payload = sum(v.shape.num_elements() * compression.wire_bytes(v.dtype) for v in variables)
+        payload = sum(int(np.prod(s, dtype=np.int64)) * compression.wire_bytes(d) for s, d in zip(shapes, dtypes))
         self.bytes_sent = allreduce_bytes(payload, size)
 
     def __call__(self, tensors):
@@ -68,40 +121,48 @@ class DenseAllreduce:
             process_set=self.process_set, name=self.name)
 
 
-class FullAllreduce:
+class FullAllreduce(Exchange):
     """A compressed bucket sent at full precision (Accordion's `Compression.none` setting):
     one float32 allreduce; it sends everything, so no residual is left."""
 
-    def __init__(self, num_elements, size, process_set, name):
-        self.process_set, self.name = process_set, name
-        self.bytes_sent = allreduce_bytes(4 * num_elements, size)
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.bytes_sent = allreduce_bytes(4 * bucket.num_elements, bucket.size)
 
-    def __call__(self, flat):
-        return flat, hvd.allreduce(flat, op=hvd.Average, process_set=self.process_set, name=self.name)
+    def __call__(self, flat, state, step):
+        return Step(flat, hvd.allreduce(flat, op=hvd.Average, process_set=self.bucket.process_set,
+                                        name=self.bucket.name))
 
 
-class SignAllgather:
+class SignAllgather(Exchange):
     """One-way dist-EF-SGD: every worker's packed update is allgathered, all decode the mean."""
 
-    def __init__(self, compressor, bounds, size, process_set, name):
-        self.compressor, self.bounds, self.size = compressor, bounds, size
-        self.process_set, self.name = process_set, name
-        n = int(bounds[-1])
-        self.num_blocks = len(bounds) - 1
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.bounds = ops.layout_bounds(bucket.sizes, compressor.block_size)
+        n = bucket.num_elements
+        self.num_blocks = len(self.bounds) - 1
         self.num_bytes = (n + 7) // 8
-        self.bytes_sent = allgather_bytes(compressor.payload_bytes(n, self.num_blocks), size)
+        self.bytes_sent = allgather_bytes(compressor.payload_bytes(n, self.num_blocks), bucket.size)
 
-    def __call__(self, flat):
+    def __call__(self, flat, state, step):
         bounds = tf.constant(self.bounds)
         bits, scales = self.compressor.encode(flat, bounds)
         sent = self.compressor.decode((bits, scales), bounds)
-        gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.process_set,
-                                 name=self.name)
-        everyone = _split_sign_payloads(gathered, self.size, self.num_bytes, self.num_blocks)
-        return sent, self.compressor.decode_mean(everyone, bounds)
+        gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.bucket.process_set,
+                                 name=self.bucket.name)
+        everyone = _split_sign_payloads(gathered, self.bucket.size, self.num_bytes, self.num_blocks)
+        return Step(sent, self.compressor.decode_mean(everyone, bounds))
 
 
-class SignTwoWay:
+def shard_cuts(num_elements, size):
+    """Cuts [0, ..., d] of d elements into `size` shards at multiples of 8 (trailing ones may be
+    empty, e.g. 5 elements on 2 ranks: [0, 5, 5])."""
+    shard = math.ceil(num_elements / size / 8) * 8
+    return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
+
+
+class SignTwoWay(Exchange):
     """Two-way dist-EF-SGD over a sharded server (alltoall + allgather).
 
     The flat update of d elements is cut into `size` shards at multiples of 8
@@ -109,50 +170,51 @@ class SignTwoWay:
     block cuts). Worker i packs its whole update; an alltoall sends shard j of
     every worker to rank j; rank j averages them, adds its server residual
     e_s, recompresses: D_j = C(A_j), e_s = A_j - D_j; an allgather returns
-    every D_j to every rank, which decode the same update D.
+    every D_j to every rank, which decode the same update D. The server
+    residual is sharded state: rank j's holds shard j of this world size.
     """
 
-    def __init__(self, compressor, bounds, shard_cuts, rank, size, process_set, name):
-        self.compressor, self.bounds, self.rank, self.size = compressor, bounds, rank, size
-        self.process_set, self.name = process_set, name
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        cuts = shard_cuts(bucket.num_elements, bucket.size)
+        self.bounds = bounds = np.union1d(ops.layout_bounds(bucket.sizes, compressor.block_size), cuts)
         # For each shard: its element range, block range and payload byte length.
         self.shards = []
-        for j in range(size):
-            lo, hi = int(shard_cuts[j]), int(shard_cuts[j + 1])
+        for j in range(bucket.size):
+            lo, hi = int(cuts[j]), int(cuts[j + 1])
             first, last = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
-            num_bytes = (hi + 7) // 8 - lo // 8
+            num_bytes = (hi + 7) // 8 - lo // 8 if hi > lo else 0  # lo is a multiple of 8 unless empty
             self.shards.append(dict(lo=lo, hi=hi, first_block=int(first), last_block=int(last),
                                     num_bytes=num_bytes, payload=num_bytes + 4 * int(last - first)))
-        mine = self.shards[rank]
-        self.server_size = mine["hi"] - mine["lo"]
+        mine = self.shards[bucket.rank]
         self.server_bounds = bounds[mine["first_block"]:mine["last_block"] + 1] - mine["lo"]
+        self.state = (StateSpec("server_residual", (mine["hi"] - mine["lo"],), SHARDED),)
         total = sum(s["payload"] for s in self.shards)
         # alltoall: all but my own shard; allgather: my shard to the n - 1 others.
-        self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], size)
+        self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], bucket.size)
 
     def _shard_payloads(self, bits, scales):
         return [_sign_payload(bits[s["lo"] // 8:s["lo"] // 8 + s["num_bytes"]],
                               scales[s["first_block"]:s["last_block"]])
                 for s in self.shards]
 
-    def __call__(self, flat, server_residual):
-        """Returns (what this worker sent, the update D, the new server residual)."""
-        bounds = tf.constant(self.bounds)
+    def __call__(self, flat, state, step):
+        bounds, process_set, name = tf.constant(self.bounds), self.bucket.process_set, self.bucket.name
         bits, scales = self.compressor.encode(flat, bounds)
         sent = self.compressor.decode((bits, scales), bounds)
         payloads = self._shard_payloads(bits, scales)
         received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
-                                   process_set=self.process_set, name=self.name + ".alltoall")
-        mine = self.shards[self.rank]
+                                   process_set=process_set, name=name + ".alltoall")
+        mine = self.shards[self.bucket.rank]
         server_bounds = tf.constant(self.server_bounds)
         averaged = self.compressor.decode_mean(
-            _split_sign_payloads(received, self.size, mine["num_bytes"],
+            _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
                                  mine["last_block"] - mine["first_block"]), server_bounds)
-        server_input = averaged + server_residual
+        server_input = averaged + state["server_residual"]
         server_bits, server_scales = self.compressor.encode(server_input, server_bounds)
         server_sent = self.compressor.decode((server_bits, server_scales), server_bounds)
         gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
-                                 process_set=self.process_set, name=self.name + ".allgather")
+                                 process_set=process_set, name=name + ".allgather")
         all_bits, all_scales, offset = [], [], 0
         for s in self.shards:
             bits_j, scales_j = _split_sign_payloads(gathered[offset:offset + s["payload"]], 1,
@@ -161,85 +223,100 @@ class SignTwoWay:
             all_scales.append(scales_j[0])
             offset += s["payload"]
         update = self.compressor.decode((tf.concat(all_bits, 0), tf.concat(all_scales, 0)), bounds)
-        return sent, update, server_input - server_sent
+        return Step(sent, update, {"server_residual": server_input - server_sent})
 
 
-class SparseAllgather:
+class SparseAllgather(Exchange):
     """Top-k: (values, int32 indices) of every worker allgathered, summed densely, averaged."""
 
-    def __init__(self, compressor, num_elements, k, size, process_set, name):
-        self.compressor, self.n, self.k, self.size = compressor, num_elements, k, size
-        self.process_set, self.name = process_set, name
-        self.bytes_sent = allgather_bytes(compressor.payload_bytes(k), size)
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.n = bucket.num_elements
+        self.k = compressor.num_selected(self.n)
+        self.bytes_sent = allgather_bytes(compressor.payload_bytes(self.k), bucket.size)
 
-    def __call__(self, flat):
+    def __call__(self, flat, state, step):
         values, indices = self.compressor.encode(flat, self.k)
         sent = self.compressor.decode((values, indices), self.n)
         gathered = hvd.allgather(tf.concat([values, tf.bitcast(indices, tf.float32)], 0),
-                                 process_set=self.process_set, name=self.name)
-        gathered = tf.reshape(gathered, [self.size, 2, self.k])
+                                 process_set=self.bucket.process_set, name=self.bucket.name)
+        gathered = tf.reshape(gathered, [self.bucket.size, 2, self.k])
         total = self.compressor.decode((gathered[:, 0], tf.bitcast(gathered[:, 1], tf.int32)), self.n)
-        return sent, total / self.size
+        return Step(sent, total / self.bucket.size)
 
 
-class SharedRandomAllreduce:
-    """Random-k: every rank draws the same k coordinates (stateless, from seed and step),
-    so only values travel, summed by a plain allreduce."""
+class SharedRandomAllreduce(Exchange):
+    """Random-k: every rank draws the same k coordinates (stateless, from seed, step and the
+    bucket's index), so only values travel, summed by a plain allreduce."""
 
-    def __init__(self, compressor, num_elements, k, size, process_set, name):
-        self.compressor, self.n, self.k, self.size = compressor, num_elements, k, size
-        self.process_set, self.name = process_set, name
-        self.bytes_sent = allreduce_bytes(compressor.payload_bytes(k), size)
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.n = bucket.num_elements
+        self.k = compressor.num_selected(self.n)
+        self.bytes_sent = allreduce_bytes(compressor.payload_bytes(self.k), bucket.size)
 
-    def __call__(self, flat, step, salt):
-        indices = self.compressor.indices(self.n, self.k, step, salt)
+    def __call__(self, flat, state, step):
+        indices = self.compressor.indices(self.n, self.k, step, self.bucket.index)
         values = tf.gather(flat, indices)
         sent = self.compressor.decode((values, indices), self.n)
         summed = hvd.allreduce(tf.concat([values, [poison(flat)]], 0), op=hvd.Sum,
-                               process_set=self.process_set, name=self.name)
-        update = self.compressor.decode((summed[:-1], indices), self.n) / self.size
-        return sent, update + summed[-1]
+                               process_set=self.bucket.process_set, name=self.bucket.name)
+        update = self.compressor.decode((summed[:-1], indices), self.n) / self.bucket.size
+        return Step(sent, update + summed[-1])
 
 
-class SketchAllreduce:
+class SketchAllreduce(Exchange):
     """Sketched SGD: count sketches summed by allreduce, heavy hitters recovered alike on
     every rank, then (second round) their exact sums fetched by a k-float allreduce."""
 
-    def __init__(self, compressor, num_elements, size, process_set, name, salt):
-        self.compressor, self.n, self.size = compressor, num_elements, size
-        self.process_set, self.name, self.salt = process_set, name, salt
-        self.k, self.rows, self.cols = compressor.sizes(num_elements)
-        self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, size)
-                           + (allreduce_bytes(4 * self.k, size) if compressor.second_round else 0))
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.n = bucket.num_elements
+        self.k, self.rows, self.cols = compressor.sizes(self.n)
+        self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, bucket.size)
+                           + (allreduce_bytes(4 * self.k, bucket.size) if compressor.second_round else 0))
 
-    def __call__(self, flat):
-        """Returns (what this worker sent, the mean update, the candidate indices)."""
-        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, self.salt), op=hvd.Sum,
-                               process_set=self.process_set, name=self.name + ".sketch")
-        estimate = self.compressor.estimate(summed, self.n, self.salt)
+    def __call__(self, flat, state, step):
+        process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
+        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt), op=hvd.Sum,
+                               process_set=process_set, name=name + ".sketch")
+        estimate = self.compressor.estimate(summed, self.n, salt)
         _, indices = ops.top_k_abs(estimate, self.k)
         local = tf.gather(flat, indices)
         if self.compressor.second_round:
-            values = hvd.allreduce(local, op=hvd.Sum, process_set=self.process_set,
-                                   name=self.name + ".values")
+            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
         else:
             values = tf.gather(estimate, indices)
         sent = ops.scatter_dense(indices, local, self.n)
-        return sent, ops.scatter_dense(indices, values, self.n) / self.size, indices
+        return Step(sent, ops.scatter_dense(indices, values, self.n) / self.bucket.size, applied=indices)
 
 
-class LowRankAllreduce:
-    """PowerSGD: per tensor P = M Q and Q = M^T P, each fused over the bucket into one allreduce."""
+class LowRankAllreduce(Exchange):
+    """PowerSGD: per tensor P = M Q and Q = M^T P, each fused over the bucket into one allreduce.
 
-    def __init__(self, compressor, shapes, size, process_set, name):
-        self.compressor, self.size, self.process_set, self.name = compressor, size, process_set, name
-        self.matrices = [compressor.matrix_shape(s) for s in shapes]
-        self.bytes_sent = (allreduce_bytes(4 * compressor.rank * sum(n for n, _ in self.matrices), size)
-                           + allreduce_bytes(4 * compressor.rank * sum(m for _, m in self.matrices), size))
+    Q is replicated state (every rank computes the same Q from the same
+    allreduced P), warm-started across steps; without warm start a fresh
+    shared normal draw from (seed, bucket, tensor, step) is used each step.
+    """
+
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.matrices = [compressor.matrix_shape(s) for s in bucket.shapes]
+        self.state = tuple(StateSpec(f"powersgd_q/{j}", (m, compressor.rank), REPLICATED,
+                                     initializer=self._shared_normal(j))
+                           for j, (_, m) in enumerate(self.matrices)) if compressor.warm_start else ()
+        rank, size = compressor.rank, bucket.size
+        self.bytes_sent = (allreduce_bytes(4 * rank * sum(n for n, _ in self.matrices), size)
+                           + allreduce_bytes(4 * rank * sum(m for _, m in self.matrices), size))
+
+    def _shared_normal(self, j, step=0):
+        seed = tf.stack([tf.constant(self.compressor.seed * (1 << 20) + self.bucket.index * 4096 + j,
+                                     tf.int64), tf.cast(step, tf.int64)])
+        return lambda shape, dtype=tf.float32: tf.random.stateless_normal(shape, seed, dtype=dtype)
 
     def _fused_mean(self, factors, name):
         flat = hvd.allreduce(tf.concat([tf.reshape(f, [-1]) for f in factors], 0), op=hvd.Average,
-                             process_set=self.process_set, name=name)
+                             process_set=self.bucket.process_set, name=name)
         out, offset = [], 0
         for f in factors:
             size = int(np.prod(f.shape))
@@ -247,16 +324,45 @@ class LowRankAllreduce:
             offset += size
         return out
 
-    def __call__(self, flat, qs):
-        """Returns (the mean low-rank update D, the new Q factors)."""
+    def __call__(self, flat, state, step):
+        if self.compressor.warm_start:
+            qs = [state[spec.name] for spec in self.state]
+        else:
+            qs = [self._shared_normal(j, step)([m, self.compressor.rank])
+                  for j, (_, m) in enumerate(self.matrices)]
         ms, offset = [], 0
         for n, m in self.matrices:
             ms.append(tf.reshape(flat[offset:offset + n * m], [n, m]))
             offset += n * m
-        ps = self._fused_mean([tf.matmul(m, q) for m, q in zip(ms, qs)], self.name + ".p")
+        ps = self._fused_mean([tf.matmul(m, q) for m, q in zip(ms, qs)], self.bucket.name + ".p")
         ps = [tf.linalg.qr(p)[0] for p in ps]  # orthonormal columns spanning P
         new_qs = self._fused_mean([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)],
-                                  self.name + ".q")
+                                  self.bucket.name + ".q")
         update = tf.concat([tf.reshape(tf.matmul(p, q, transpose_b=True), [-1])
                             for p, q in zip(ps, new_qs)], 0)
-        return update, new_qs
+        # PowerSGD's error is against the shared approximation: "sent" is the update itself.
+        return Step(update, update, {spec.name: q for spec, q in zip(self.state, new_qs)})
+
+
+def _sign(compressor, bucket):
+    return (SignTwoWay if bucket.two_way else SignAllgather)(compressor, bucket)
+
+
+#: compressor class -> the exchange it travels by; `plan` looks a compressor's class up here.
+EXCHANGES = {
+    OneBitCompressor: _sign,
+    TopKCompressor: SparseAllgather,
+    RandomKCompressor: SharedRandomAllreduce,
+    SketchCompressor: SketchAllreduce,
+    PowerSGDCompressor: LowRankAllreduce,
+}
+
+
+def plan(compressor, bucket):
+    """The exchange of `bucket` under `compressor` (None: Accordion's uncompressed setting, or a
+    bucket with a tensor the compressor would not shrink)."""
+    if compressor is None or not all(compressor.compresses(s) for s in bucket.shapes):
+        return FullAllreduce(bucket)
+    if type(compressor) not in EXCHANGES:
+        raise TypeError(f"{compressor!r} is not supported by hvd_compress.DistributedOptimizer yet.")
+    return EXCHANGES[type(compressor)](compressor, bucket)

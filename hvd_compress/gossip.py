@@ -29,8 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from hvd_compress import state
 from hvd_compress.keras_compat import require_legacy_keras
 from hvd_compress.optimizer import check_same_variables
+from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
 GRAPHS = ("exponential", "exponential2", "ring")
 
@@ -87,23 +89,39 @@ class PushSum:
         self.process_set, self.name = process_set, name
         self.built = False
 
-    def build(self, variables, new_variable):
+    def build(self, variables, holder):
+        """Plans the gossip for this world and creates its per-rank state (w_i and the mass in
+        flight), tracked for checkpoints by `holder` (the optimizer)."""
         if self.built:
             return
         self.variable_ids = [id(v) for v in variables]
         self.shapes = [v.shape for v in variables]
         self.sizes = [int(v.shape.num_elements()) for v in variables]
+        self.holder, self.rank_state = holder, None
+        self.plan_world()
+        self.built = True
+
+    def plan_world(self):
+        """Plans for this rank and world size (again after an elastic reset): w_i = 1 and no mass in
+        flight, so the ranks restart from the (broadcast) model as a valid PushSum state."""
+        previous = None if self.rank_state is None else self.rank_state.size
         self.size, self.rank = self.process_set.size(), self.process_set.rank()
         if self.size < 2:
             raise ValueError("PushSumOptimizer needs at least 2 ranks.")
-        self.weight = new_variable([], "pushsum_weight", 1.0)
+        self.rank_state = RankLocalState(self.rank, self.size)
+        self.weight = self.rank_state.add(StateSpec("pushsum_weight/all", (), PER_RANK, initializer=tf.ones))
         d = sum(self.sizes) + 1
-        self.in_flight = new_variable([d], "pushsum_in_flight", 0.0) if self.overlap else None
+        self.in_flight = (self.rank_state.add(StateSpec("pushsum_in_flight/all", (d,), PER_RANK))
+                          if self.overlap else None)
         # Bytes one rank sends per step: (d + 1) floats to each out-peer.
         peers = max(len(out_peers(self.graph, self.rank, self.size, t))
                     for t in range(schedule_period(self.graph, self.size)))
         self.bytes_sent = 4 * d * peers
-        self.built = True
+        state.track(self.holder, self.rank_state)  # a pending checkpoint restore happens here
+        settings = (f"PushSum(graph={self.graph}, overlap={self.overlap}, average_every={self.average_every}) "
+                    f"variables={[tuple(s) for s in self.shapes]}")
+        state.check_ranks_agree(settings, self.rank_state, self.process_set, self.name, previous)
+        self.world = (hvd.rank(), self.size)
 
     def _send(self, payload, step):
         """alltoall of `payload` to this step's out-peers; returns the sum of what arrives."""
@@ -126,7 +144,8 @@ class PushSum:
 
     def __call__(self, variables, step):
         """One gossip round on the (already locally updated) variables z."""
-        w = self.weight
+        with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
+            w = tf.identity(self.weight)
         x = tf.concat([tf.reshape(v, [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
         peers = len(out_peers(self.graph, self.rank, self.size, 0))
         share = x / float(peers + 1)
@@ -166,10 +185,20 @@ class _PushSumOptimizerMixin:
     def pushsum(self):
         return self._hc_pushsum
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # w_i and the mass in flight: in checkpoints, with their owner; never in optimizer.variables
+        # (which Horovod broadcasts) nor in model files.
+        return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
+                                         getattr(self._hc_pushsum, "rank_state", None), save_type)
+
     def build(self, var_list):
         super().build(var_list)
-        self._hc_pushsum.build(list(var_list), lambda shape, name, value: self.add_variable(
-            shape, tf.float32, initializer=tf.keras.initializers.Constant(value), name=f"hc_{name}"))
+        self._hc_pushsum.build(list(var_list), holder=self)
+
+    def hc_replan(self):
+        """After an elastic reset, on every rank (hvd_compress.elastic.KerasState calls it)."""
+        if self._hc_pushsum.built:
+            self._hc_pushsum.plan_world()
 
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         pairs = list(grads_and_vars)

@@ -37,23 +37,23 @@ model.save keep it):
   coordinates every rank draws alike, by allreduce. Both select over a whole
   bucket (global top-k within a bucket, not per layer).
 """
-import hashlib
-import math
+import logging
 import os
 
 import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, ops
+from hvd_compress import exchange, ops, state
 from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression
-from hvd_compress.compression import (Compression, OneBitCompressor, PowerSGDCompressor,
-                                      RandomKCompressor, StatefulCompressor, TopKCompressor)
+from hvd_compress.compression import Compression, OneBitCompressor, StatefulCompressor
 from hvd_compress.keras_compat import require_legacy_keras
 from hvd_compress.sketch import SketchCompressor
+from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
 DEFAULT_FUSION_THRESHOLD_BYTES = 64 << 20
+log = logging.getLogger("hvd_compress")
 
 
 class Layout:
@@ -88,32 +88,23 @@ class Layout:
         return sum(self.sizes[i] for i in bucket)
 
 
-def shard_cuts(num_elements, size):
-    """Cuts [0, ..., d] of d elements into `size` shards at multiples of 8 (some may be empty)."""
-    shard = math.ceil(num_elements / size / 8) * 8
-    return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
-
-
-def _new_variable_like(variable, name):
-    return tf.Variable(tf.zeros(variable.shape, variable.dtype), trainable=False,
-                       name=f"hc_{name}_{variable.name.split(':')[0].replace('/', '_')}")
-
-
-def _new_variable(shape, name, initializer="zeros"):
-    initializer = {"zeros": tf.zeros, "ones": tf.ones}.get(initializer, initializer)
-    value = initializer(shape, tf.float32)
-    return tf.Variable(value, trainable=False, name=f"hc_{name}")
+def _new_replicated_variable(spec):
+    return tf.Variable(spec.initial_value(), trainable=False, name=f"hc_{safe_name(spec.name)}")
 
 
 class GradientExchange(tf.Module):
     """The compressed exchange with error feedback, for one fixed list of variables.
 
-    It plans the layout at the first step, creates its state (through the
-    factories `build` is given: optimizer slots for DistributedOptimizer,
-    plain tracked variables otherwise) and, each step, turns local gradients
+    It plans the layout at the first step and creates its state, each piece
+    with its scope (hvd_compress/state.py): per-rank and sharded state in a
+    RankLocalState (checkpointed with its owner, never broadcast), replicated
+    state through the factory `build` is given (optimizer variables for
+    DistributedOptimizer, so Horovod's broadcasts and model files see it;
+    this module's own variables otherwise). Each step turns local gradients
     into averaged gradients or, for dist-EF-SGD, the parameter deltas D
     (`direct_update`). For custom loops create one, once, and pass it to every
     DistributedGradientTape; checkpoint it with tf.train.Checkpoint(exchange=...).
+    After an elastic reset, `replan()` plans for the new world.
     """
 
     def __init__(self, compression, two_way=True, process_set=hvd.global_process_set, op=hvd.Average,
@@ -128,7 +119,14 @@ class GradientExchange(tf.Module):
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
         self.collective_name = name
         self.monitor = None  # an accordion.RegimeDetector, fed every step's local gradients
+        self.accumulate = False  # True: keeps per-rank sums of micro-batch gradients (backward passes)
         self.built = False
+        self._replicated_variables = []  # this module's replicated state when no factory is given
+        object.__setattr__(self, "rank_state", None)  # tracked by the holder (state.track)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
+                                        self.rank_state, save_type)
 
     @property
     def adaptive(self):
@@ -151,34 +149,14 @@ class GradientExchange(tf.Module):
                              "it needs a RegimeDetector(groups='variable').")
         self.compression, self.monitor = compression, detector
 
-    def _plan(self, c, bucket, b, k):
-        """The exchange of bucket b under compressor c (setting k of Accordion's)."""
-        n, size = self.layout.bucket_size(bucket), self.process_set.size()
-        name = f"{self.collective_name}.bucket{b}" + (f".setting{k}" if self.adaptive else "")
-        shapes = [self.layout.shapes[i] for i in bucket]
-        if c is None or not all(c.compresses(s) for s in shapes):  # Accordion's low: full precision
-            return exchange.FullAllreduce(n, size, self.process_set, name)
-        if isinstance(c, OneBitCompressor):
-            bounds = ops.layout_bounds([self.layout.sizes[i] for i in bucket], c.block_size)
-            if self.two_way:
-                cuts = shard_cuts(n, size)
-                return exchange.SignTwoWay(c, np.union1d(bounds, cuts), cuts, self.process_set.rank(), size,
-                                           self.process_set, name)
-            return exchange.SignAllgather(c, bounds, size, self.process_set, name)
-        if isinstance(c, PowerSGDCompressor):
-            return exchange.LowRankAllreduce(c, shapes, size, self.process_set, name)
-        if isinstance(c, SketchCompressor):
-            return exchange.SketchAllreduce(c, n, size, self.process_set, name, salt=b)
-        if isinstance(c, RandomKCompressor):
-            return exchange.SharedRandomAllreduce(c, n, c.num_selected(n), size, self.process_set, name)
-        if isinstance(c, TopKCompressor):
-            return exchange.SparseAllgather(c, n, c.num_selected(n), size, self.process_set, name)
-        raise TypeError(f"{c!r} is not supported by hvd_compress.DistributedOptimizer yet.")
-
     # -- planning and state -------------------------------------------------------------
-    def build(self, variables, new_slot=_new_variable_like, new_variable=_new_variable,
-              direct_update=False):
-        """Plans the layout and creates the state; direct_update selects dist-EF-SGD's rule."""
+    def build(self, variables, new_replicated=None, holder=None, direct_update=False):
+        """Plans the layout and creates the state; direct_update selects dist-EF-SGD's rule.
+
+        new_replicated(spec) -> variable creates replicated state (default: this
+        module's variables); holder tracks the per-rank state for checkpoints
+        (default: this module).
+        """
         if self.built:
             return
         variables = list(variables)
@@ -190,67 +168,97 @@ class GradientExchange(tf.Module):
         # Under Accordion every compressed tensor is its own bucket, so each layer switches alone.
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              1 if self.adaptive else self.fusion_threshold_bytes)
-        size = self.process_set.size()
+        object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
+        object.__setattr__(self, "_holder", holder or self)
+        object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
+        self.world = None
+        self._plan_world()
+        self.built = True
+
+    def _new_module_variable(self, spec):
+        variable = _new_replicated_variable(spec)
+        self._replicated_variables.append(variable)
+        return variable
+
+    def replan(self):
+        """After the world changed (an elastic reset): plans every exchange for the new rank and
+        size, keeps the replicated state and starts per-rank and sharded state afresh. Every
+        rank calls it (one collective: the settings check); retrace the step afterwards."""
+        self._plan_world()
+
+    def _plan_world(self):
+        """Plans every bucket's exchange for this rank and world size, creates the per-rank and
+        sharded state anew, checks that every rank agrees and reports a checkpoint's reset."""
+        rank, size = self.process_set.rank(), self.process_set.size()
+        previous, self.world = self.world, (hvd.rank(), size)
         # Plan every exchange first: a bad size is refused before any collective runs.
         # Accordion plans each setting per bucket; otherwise a bucket has one.
         settings = self.compression.settings if self.adaptive else [self.compression]
-        self.alternatives = [[self._plan(c, bucket, b, k) for k, c in enumerate(settings)]
-                             for b, bucket in enumerate(self.layout.buckets)]
-        self._check_ranks_agree()
-        # Slots of the compressed variables, in layout.compressed order.
-        self.residuals = [new_slot(variables[i], "residual") for i in self.layout.compressed]
-        self.momenta = ([new_slot(variables[i], "momentum") for i in self.layout.compressed]
-                        if direct_update else [])
-        # Each exchange's own state: the onebit server residual, PowerSGD's warm-started Q factors
-        # (the same random start on every rank).
-        self.server_residuals, self.low_rank_q = [], []
-        for b, alternatives in enumerate(self.alternatives):
-            for k, ex in enumerate(alternatives):
-                suffix = f"{b}_{k}" if self.adaptive else f"{b}"
-                if isinstance(ex, exchange.SignTwoWay):
-                    ex.server_residual = new_variable([ex.server_size], f"server_residual_{suffix}")
-                    self.server_residuals.append(ex.server_residual)
-                if isinstance(ex, exchange.LowRankAllreduce) and ex.compressor.warm_start:
-                    ex.qs = [new_variable([m, ex.compressor.rank], f"powersgd_q_{suffix}_{j}",
-                                          self._shared_normal(ex.compressor, b, j))
-                             for j, (_, m) in enumerate(ex.matrices)]
-                    self.low_rank_q.extend(ex.qs)
+        self.alternatives = []
+        for b, bucket in enumerate(self.layout.buckets):
+            shapes = [self.layout.shapes[i] for i in bucket]
+            self.alternatives.append([exchange.plan(c, exchange.Bucket(
+                b, shapes, rank, size, self.process_set, self._collective(b, k), self.two_way))
+                for k, c in enumerate(settings)])
+        rank_state = RankLocalState(rank, size)
+
+        def new_state(spec):
+            return self._state_variable(spec, rank_state)
+
+        def per_variable(kind, i):  # keyed by position: Keras's layer names depend on what was built before
+            return new_state(StateSpec(f"{kind}/{i}", self.layout.shapes[i], PER_RANK, self.variable_dtypes[i]))
+
+        self.residuals = [per_variable("residual", i) for i in self.layout.compressed]
+        self.momenta = [per_variable("momentum", i) for i in self.layout.compressed] if self.direct_update else []
+        if self.accumulate:
+            self.accumulated = [per_variable("accumulated_gradient", i) for i in range(len(self.variable_ids))]
+            self.passes = new_state(StateSpec("accumulated_passes/all", (), PER_RANK, tf.int64))
+        # Each exchange's own state (the onebit server residual, PowerSGD's Q), by bucket and setting.
+        self.exchange_state = [[{spec.name: new_state(spec._replace(name=f"{spec.name}/{self._collective(b, k)}"))
+                                 for spec in ex.state} for k, ex in enumerate(alternatives)]
+                               for b, alternatives in enumerate(self.alternatives)]
         if self.monitor is not None:
-            self.monitor.build(variables, self.layout, new_slot, new_variable)
+            self.monitor.build(self.variable_names, self.layout, new_state)
+        object.__setattr__(self, "rank_state", rank_state)
+        state.track(self._holder, rank_state)  # a pending checkpoint restore happens here
+        self._check_ranks_agree(previous)
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
         self.dense_exchange = exchange.DenseAllreduce(
-            [variables[i] for i in self.layout.dense], dense_compression, size,
+            [self.layout.shapes[i] for i in self.layout.dense],
+            [self.variable_dtypes[i] for i in self.layout.dense], dense_compression, size,
             self.process_set, self.op, self.predivide, f"{self.collective_name}.dense")
-        self.built = True
 
-    def _check_ranks_agree(self):
-        """Allgathers a fingerprint of the settings; every rank raises the same error on a mismatch."""
+    def _collective(self, b, k):
+        """The name of bucket b's collectives (setting k of Accordion's)."""
+        return f"{self.collective_name}.bucket{b}" + (f".setting{k}" if self.adaptive else "")
+
+    def _state_variable(self, spec, rank_state):
+        """The variable of a StateSpec: replicated state is created once (and reused when the world
+        changes), per-rank and sharded state in this world's RankLocalState."""
+        if spec.scope != REPLICATED:
+            return rank_state.add(spec)
+        if spec.name not in self.replicated:
+            self.replicated[spec.name] = self._new_replicated(spec)
+        return self.replicated[spec.name]
+
+    def _check_ranks_agree(self, previous_world):
         settings = (f"{self.compression!r} two_way={self.two_way} op={self.op} "
                     f"min_compress_size={self.min_compress_size} "
                     f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
                     f"direct_update={self.direct_update} "
                     f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
-        fingerprint = hashlib.sha256(settings.encode()).hexdigest()[:16]
-        everyone = hvd.allgather_object((fingerprint, settings), process_set=self.process_set,
-                                        name=f"{self.collective_name}.settings")
-        if len({f for f, _ in everyone}) > 1:
-            lines = "\n".join(f"  rank {r}: {s[:300]}" for r, (_, s) in enumerate(everyone))
-            raise ValueError("hvd_compress: the ranks were started with different compression settings "
-                             "or models, so their collectives would not match. Start every rank with "
-                             f"the same arguments. Settings per rank:\n{lines}")
+        state.check_ranks_agree(settings, self.rank_state, self.process_set, self.collective_name,
+                                None if previous_world is None else previous_world[1])
 
-    @staticmethod
-    def _shared_normal(compressor, bucket, j, step=0):
-        seed = tf.stack([tf.constant(compressor.seed * (1 << 20) + bucket * 4096 + j, tf.int64),
-                         tf.cast(step, tf.int64)])
-        return lambda shape, dtype=tf.float32: tf.random.stateless_normal(shape, seed, dtype=dtype)
+    @property
+    def low_rank_q(self):
+        """PowerSGD's warm-started Q factors (replicated state)."""
+        return [v for name, v in self.replicated.items() if name.startswith("powersgd_q/")]
 
-    def _low_rank_qs(self, bucket, ex, step):
-        """This step's Q factors: warm-started variables, or fresh shared draws."""
-        if ex.compressor.warm_start:
-            return ex.qs
-        return [self._shared_normal(ex.compressor, bucket, j, step)([m, ex.compressor.rank])
-                for j, (_, m) in enumerate(ex.matrices)]
+    @property
+    def server_residuals(self):
+        """This rank's shards of the two-way server residuals (sharded state)."""
+        return [v for name, v in self.rank_state.variables.items() if name.startswith("server_residual/")]
 
     @property
     def exchanges(self):
@@ -299,7 +307,8 @@ class GradientExchange(tf.Module):
     def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
         """Returns one tensor per variable: a delta to subtract (compressed variables in
         direct-update mode) or an averaged gradient (everything else)."""
-        grads = self.prepare(grads)
+        with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
+            grads = [tf.identity(g) for g in self.prepare(grads)]
         out = list(grads)
         dense = self.dense_exchange([grads[i] for i in self.layout.dense])
         for i, g in zip(self.layout.dense, dense):
@@ -309,11 +318,12 @@ class GradientExchange(tf.Module):
         for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
             flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov), [-1])
                               for i in bucket], 0)
-            if len(alternatives) == 1:
-                sent, update = self._exchange(alternatives[0], b, bucket, flat, step)
+            runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, flat, step)
+                    for ex, own in zip(alternatives, self.exchange_state[b])]
+            if len(runs) == 1:
+                sent, update = runs[0]()
             else:  # Accordion: both settings are in the graph, the detector's regime picks one (no retrace)
-                low, high = (lambda ex=ex: self._exchange(ex, b, bucket, flat, step) for ex in alternatives)
-                sent, update = tf.cond(self.monitor.critical[b] > 0.5, low, high)
+                sent, update = tf.cond(self.monitor.critical[b] > 0.5, runs[LOW], runs[HIGH])
             residual, offset = flat - sent, 0
             if self.op == hvd.Sum:
                 update = update * self.process_set.size()
@@ -324,27 +334,14 @@ class GradientExchange(tf.Module):
                 offset += size
         return out
 
-    def _exchange(self, ex, b, bucket, flat, step):
-        """Runs one bucket's exchange and updates its state: (what this worker sent, mean update)."""
-        if isinstance(ex, exchange.SignTwoWay):
-            sent, update, new_server_residual = ex(flat, ex.server_residual)
-            ex.server_residual.assign(new_server_residual)
-        elif isinstance(ex, exchange.SharedRandomAllreduce):
-            sent, update = ex(flat, step, salt=b)
-        elif isinstance(ex, exchange.LowRankAllreduce):
-            qs = self._low_rank_qs(b, ex, step)
-            update, new_qs = ex(flat, qs)
-            sent = update  # PowerSGD's error is against the shared approximation
-            if ex.compressor.warm_start:
-                for q, new_q in zip(qs, new_qs):
-                    q.assign(new_q)
-        elif isinstance(ex, exchange.SketchAllreduce):
-            sent, update, indices = ex(flat)
-            if self.momenta:  # sketched SGD zeroes the momentum where it applied the update
-                self._zero_momentum_at(bucket, indices, ex.n)
-        else:
-            sent, update = ex(flat)
-        return sent, update
+    def _run(self, ex, own_state, bucket, flat, step):
+        """Runs one bucket's exchange and stores its new state: (what this worker sent, mean update)."""
+        result = ex(flat, own_state, step)
+        for name, value in result.state.items():
+            own_state[name].assign(value)
+        if self.momenta and result.applied is not None:  # sketched SGD: zero u where it applied the update
+            self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
+        return result.sent, result.update
 
     def _zero_momentum_at(self, bucket, indices, num_elements):
         keep = 1.0 - ops.scatter_dense(indices, tf.ones_like(indices, tf.float32), num_elements)
@@ -398,7 +395,8 @@ class _DistributedOptimizerMixin:
     """Methods mixed into a subclass of the user's optimizer class (as Horovod does)."""
 
     def _hc_init(self, exchange_, backward_passes_per_step, average_aggregated_gradients):
-        # Not tracked: its state is already in the optimizer's own variables.
+        # Not tracked as a module: its replicated state is optimizer variables, and its per-rank
+        # state is tracked below (RANK_STATE), checkpoints only.
         object.__setattr__(self, "_hc_exchange", exchange_)
         self._hc_backward_passes = backward_passes_per_step
         self._hc_average_aggregated = average_aggregated_gradients
@@ -407,6 +405,12 @@ class _DistributedOptimizerMixin:
     def compression_exchange(self):
         """The GradientExchange (layout, bytes per step, residuals); built at the first step."""
         return self._hc_exchange
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # Per-rank and sharded state: in checkpoints, with its owner; never in optimizer.variables
+        # (which Horovod broadcasts) nor in model files.
+        return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
+                                        self._hc_exchange.rank_state, save_type)
 
     def _hc_direct_update(self):
         """Momentum in front and lr inside (dist-EF-SGD, sketched SGD) for onebit and sketch
@@ -420,20 +424,23 @@ class _DistributedOptimizerMixin:
         super().build(var_list)
         if self._hc_exchange.built:
             return
-        var_list = list(var_list)
+        self._hc_exchange.accumulate = self._hc_backward_passes > 1
         self._hc_exchange.build(
-            var_list,
-            new_slot=lambda v, name: self.add_variable_from_reference(v, f"hc_{name}"),
-            new_variable=lambda shape, name, initializer="zeros": self.add_variable(
-                shape, tf.float32, initializer=initializer, name=f"hc_{name}"),
-            direct_update=self._hc_direct_update())
+            list(var_list), holder=self, direct_update=self._hc_direct_update(),
+            new_replicated=lambda spec: self.add_variable(
+                spec.shape, spec.dtype, initializer=lambda shape, dtype: spec.initial_value(),
+                name=f"hc_{safe_name(spec.name)}"))
         if self._hc_backward_passes > 1:
-            self._hc_accumulated = [self.add_variable_from_reference(v, "hc_accumulated") for v in var_list]
-            self._hc_passes = self.add_variable([], tf.int64, name="hc_passes")  # passes since the last step
-            # A variable, so AccordionBatchSize can change it between steps without a retrace.
+            # Replicated: a variable, so AccordionBatchSize can change it between steps without a retrace.
             self._hc_passes_per_step = self.add_variable(
                 [], tf.int64, name="hc_passes_per_step",
                 initializer=lambda shape, dtype: tf.fill(shape, tf.cast(self._hc_backward_passes, dtype)))
+
+    def hc_replan(self):
+        """After an elastic reset, on every rank (hvd_compress.elastic.KerasState calls it): plans the
+        exchange for the new world (GradientExchange.replan)."""
+        if self._hc_exchange.built:
+            self._hc_exchange.replan()
 
     def _hc_allow_passes_up_to(self, passes):
         """For AccordionBatchSize (before the first step): accumulate up to `passes` backward passes
@@ -465,17 +472,18 @@ class _DistributedOptimizerMixin:
 
     def _hc_apply_every_k_passes(self, grads, variables, name):
         """Accumulates gradients locally; exchanges and applies them every k-th pass."""
-        grads = self._hc_exchange.prepare(grads)
-        for acc, g in zip(self._hc_accumulated, grads):
+        exchange_ = self._hc_exchange
+        grads = exchange_.prepare(grads)
+        for acc, g in zip(exchange_.accumulated, grads):
             acc.assign_add(tf.cast(g, acc.dtype))
-        passes = self._hc_passes.assign_add(1)
+        passes = exchange_.passes.assign_add(1)
 
         def apply():
             scale = 1.0 / tf.cast(passes, tf.float32) if self._hc_average_aggregated else 1.0
-            self._hc_apply([acc * tf.cast(scale, acc.dtype) for acc in self._hc_accumulated], variables, name)
-            for acc in self._hc_accumulated:
+            self._hc_apply([acc * tf.cast(scale, acc.dtype) for acc in exchange_.accumulated], variables, name)
+            for acc in exchange_.accumulated:
                 acc.assign(tf.zeros_like(acc))
-            self._hc_passes.assign(0)
+            exchange_.passes.assign(0)
             return tf.constant(True)
 
         tf.cond(passes >= self._hc_passes_per_step, apply, lambda: tf.constant(False))
@@ -585,18 +593,29 @@ class DistributedGradientTape:
 
 
 def load_model(filepath, compression=Compression.none, custom_optimizers=None, custom_objects=None,
-               **distributed_kwargs):
+               optimizer_wrapper=None, **distributed_kwargs):
     """Loads a Keras model saved with model.save and wraps its optimizer in DistributedOptimizer.
 
     Like horovod.tensorflow.keras.load_model: the saved optimizer (any class in
     tf.keras.optimizers, or one of custom_optimizers) is rebuilt as
     hvd_compress.DistributedOptimizer(saved, compression=..., **distributed_kwargs),
-    and its saved variables, error-feedback state included, are restored.
-    Give the same compression settings the model was trained with.
+    or as optimizer_wrapper(saved) when given (e.g. hvd_compress.PushSumOptimizer),
+    and its saved variables are restored. Give the same settings the model was
+    trained with.
+
+    A model file (h5 or SavedModel) is what rank 0 writes for every rank: it
+    holds the model and the optimizer's replicated state (the wrapped
+    optimizer's slots, PowerSGD's Q, Accordion's history), not the per-rank and
+    sharded state (error-feedback residuals, worker momenta, server-residual
+    shards, PushSum's weight), which starts from zero; rank 0 logs one line
+    saying so. Per-rank checkpoints (tf.train.Checkpoint, save_weights in the
+    TF format) resume exactly.
     """
     keras = require_legacy_keras()
 
     def wrap(cls):
+        if optimizer_wrapper is not None:
+            return lambda **config: optimizer_wrapper(cls.from_config(config))
         return lambda **config: DistributedOptimizer(cls.from_config(config), compression=compression,
                                                      **distributed_kwargs)
 
@@ -612,4 +631,9 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
         # not to this new one, so restore it here; the slots created at the first step are
         # filled in then (deferred restoration).
         tf.train.Checkpoint(root=model).restore(variables).expect_partial()
+    if hvd.is_initialized() and hvd.rank() == 0:
+        log.warning("hvd_compress: %s is a model file: it restored the model and the optimizer's replicated "
+                    "state; per-rank and sharded state (error-feedback residuals, worker momenta, server "
+                    "residuals, PushSum weights) is not kept in model files and starts from zero. Save "
+                    "per-rank checkpoints (tf.train.Checkpoint or save_weights) to resume exactly.", filepath)
     return model

@@ -53,10 +53,8 @@ def check_decisions(accumulated):
     same norms after a learning-rate drop -> critical."""
     w = tf.Variable(np.zeros(rule.SHAPE, np.float32))
     detector = RegimeDetector(eta=0.5)
-    layout = type("Layout", (), dict(compressed=[0], empty=[]))
-    detector.build([w], layout, lambda v, name: tf.Variable(tf.zeros_like(v)),
-                   lambda shape, name, initializer="zeros": tf.Variable(
-                       {"zeros": tf.zeros, "ones": tf.ones}[initializer](shape)))
+    layout = type("Layout", (), dict(compressed=[0], empty=[], shapes=[tuple(rule.SHAPE)]))
+    detector.build([w.name], layout, lambda spec: tf.Variable(spec.initial_value()))
     regimes = []
     for learning_rate in (0.1, 0.1, 0.01):
         detector.accumulated[0].assign(accumulated)

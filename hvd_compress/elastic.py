@@ -1,0 +1,49 @@
+"""Elastic training (horovod.tensorflow.keras.elastic) with hvd_compress optimizers.
+
+Horovod's `hvd.elastic.KerasState(model, optimizer)` saves, restores and
+broadcasts `model.variables` and `optimizer.variables()`: with hvd_compress
+these are the model and the replicated state only, so a sync never moves
+per-rank or sharded state between ranks. What Horovod's state cannot do is
+re-plan the exchange when the world changes: the two-way server residual is
+cut into one shard per rank, the gossip graph depends on the ranks, and the
+traced training step has those layouts built in. `KerasState` here is
+Horovod's, plus a reset callback that, on every rank,
+
+1. re-plans the optimizer for the new rank and size (`optimizer.hc_replan()`):
+   replicated state (the wrapped optimizer's slots, PowerSGD's Q, Accordion's
+   history) is kept; per-rank and sharded state (residuals, worker momenta,
+   server-residual shards, PushSum's w and mass in flight) starts afresh, and
+   rank 0 logs one line saying so;
+2. drops the model's traced train function, so the next `model.fit` traces the
+   step for the new layout.
+
+The optimizer is built when the state is created (Horovod's sync broadcasts
+`optimizer.variables()`, which must have the same length on a new worker as on
+the survivors). A step that runs in a changed world without this re-plan
+stops with an error that names this class (never silent, never a hang).
+
+    state = hc.elastic.KerasState(model, batch=0, epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(..., initial_epoch=state.epoch, callbacks=[
+            hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)])
+"""
+import horovod.tensorflow.keras.elastic as hvd_elastic
+
+
+class KerasState(hvd_elastic.KerasState):
+    """Horovod's elastic KerasState for models compiled with an hvd_compress optimizer (see the
+    module docstring); takes the same arguments."""
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        optimizer = optimizer or model.optimizer
+        optimizer.build(model.trainable_variables)  # before Horovod saves optimizer.variables()
+        super().__init__(model, optimizer=optimizer, **kwargs)
+        self.register_reset_callbacks([self._replan])
+
+    def _replan(self):
+        replan = getattr(self.optimizer, "hc_replan", None)
+        if replan is not None:
+            replan()
+        self.model.train_function = None  # retraced by the next fit for the new layout

@@ -1,0 +1,111 @@
+"""Horovod's broadcasts with every method, as users write them, at any number of ranks.
+
+For each method: model.fit with hvd.callbacks.BroadcastGlobalVariablesCallback(0) (which broadcasts
+model.variables and optimizer.variables() after the first batch) and the same run without it;
+after every batch all ranks must hold identical weights (SGP: its own check below), and the
+per-rank state after step 2 must equal the run without the callback. Then
+hvd.broadcast_variables(model.variables, 0) and hvd.broadcast_variables(opt.variables(), 0)
+by hand must leave the per-rank state as it was, and training goes on.
+"""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+import hvd_compress as hc
+from _worker import report
+
+flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods to run.")
+FLAGS = flags.FLAGS
+STEPS, BATCH = 4, 16
+
+
+def make_optimizer(keras, method):
+    sgd = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)
+    if method == "sgp":  # overlap: the mass in flight is per-rank state too
+        return hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
+    compression = {"onebit": hc.Compression.onebit(), "onebit_oneway": hc.Compression.onebit(),
+                   "topk": hc.Compression.topk(ratio=0.05), "randomk": hc.Compression.randomk(ratio=0.1),
+                   "powersgd": hc.Compression.powersgd(rank=2), "sketch": hc.Compression.sketch(ratio=3)}[method]
+    # Odd sizes: 29*37 + 37*23 + 23*5 = 2039 compressed elements, shards unequal at 3, 5, 7 ranks.
+    return hc.DistributedOptimizer(sgd, compression=compression, two_way=method != "onebit_oneway",
+                                   min_compress_size=64)
+
+
+def rank_state(opt):
+    return (opt.pushsum if hasattr(opt, "pushsum") else opt.compression_exchange).rank_state
+
+
+def compared_state(opt):
+    """The per-rank state compared with the run without the callback. SGP: its weight w_i only;
+    the mass in flight holds w z of the model the callback has just broadcast, so it differs."""
+    return [opt.pushsum.weight] if hasattr(opt, "pushsum") else list(rank_state(opt).variables.values())
+
+
+def digest(arrays):
+    return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
+
+
+class Watch(tf.keras.callbacks.Callback):
+    """After every batch: identical weights on every rank (not SGP); after batch 1: the per-rank
+    state's digest."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.checked, self.state_after_step_2 = method, 0, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.method != "sgp":
+            digests = hvd_tf.allgather_object(digest(self.model.get_weights()), name="watch.weights")
+            assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch}"
+            self.checked += 1
+        if batch == 1:
+            self.state_after_step_2 = digest(v.numpy() for v in compared_state(self.model.optimizer))
+
+
+def train(method, broadcast_callback):
+    keras = hc.require_legacy_keras()
+    tf.keras.utils.set_random_seed(0)  # the same initial weights on every rank
+    model = keras.Sequential([keras.layers.Input((29,)), keras.layers.Dense(37, activation="relu"),
+                              keras.layers.Dense(23, activation="relu"), keras.layers.Dense(5)])
+    opt = make_optimizer(keras, method)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(hvd.rank())  # each rank its own data, so per-rank state differs
+    x = rng.standard_normal((STEPS * BATCH, 29)).astype(np.float32)
+    y = rng.integers(0, 5, STEPS * BATCH)
+    watch = Watch(method)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)] if broadcast_callback else []
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks + [watch])
+    return model, opt, x, y, watch
+
+
+def main(_):
+    hvd.init()
+    results = {}
+    for method in FLAGS.methods:
+        _, _, _, _, without = train(method, broadcast_callback=False)
+        model, opt, x, y, watch = train(method, broadcast_callback=True)
+        state = rank_state(opt)
+        before = digest(v.numpy() for v in state.variables.values())
+        hvd_tf.broadcast_variables(model.variables, root_rank=0)
+        hvd_tf.broadcast_variables(opt.variables(), root_rank=0)
+        after = digest(v.numpy() for v in state.variables.values())
+        everyone = hvd_tf.allgather_object(before, name="states")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Watch(method)])
+        weights = [w for w in model.get_weights()]
+        if method == "sgp":  # PushSum keeps sum_i (w_i + weight in flight to i) = n
+            mass = hvd_tf.allreduce(opt.pushsum.weight + opt.pushsum.in_flight[-1], op=hvd_tf.Sum, name="mass")
+            results["sgp_mass"] = float(mass.numpy())
+        results[method] = dict(
+            state_with_callback=watch.state_after_step_2, state_without=without.state_after_step_2,
+            explicit_broadcast_kept_state=before == after, states_differ_by_rank=len(set(everyone)) > 1,
+            steps_checked=watch.checked, finite=bool(all(np.isfinite(w).all() for w in weights)),
+            shapes=sorted({tuple(v.shape) for v in state.variables.values()}))
+    report(hvd, results=results)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,199 @@
+"""Checkpoints as Horovod users write them: rank 0 saves, every rank (of this or another world
+size) restores that one file.
+
+Phase `full` trains the digits CNN for EPOCHS epochs with every method, rank 0 saving after
+epoch EPOCHS / 2 in every format (ModelCheckpoint of the whole model in h5 and in the TF
+format, ModelCheckpoint with save_weights_only, tf.train.Checkpoint), and reports the final
+accuracy and, per rank, the per-rank state at the save. Phase `resume` (a new process, maybe
+another number of ranks) restores rank 0's file on every rank, checks what each rank holds
+right after the restore, trains the second half with identical ranks checked after every step
+(SGP: consensus at the end) and reports the accuracy and the lines hvd_compress logged.
+"""
+import hashlib
+import json
+import logging
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+import hvd_compress as hc
+from _worker import report
+
+import digits
+
+flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
+flags.DEFINE_string("work_dir", None, "Shared between the phases.")
+flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods.")
+flags.DEFINE_list("formats", "h5,savedmodel,weights,checkpoint", "Resume: formats to restore.")
+flags.DEFINE_integer("epochs", 8, "Epochs in all (saved after half).")
+flags.DEFINE_bool("mutate", False, "Resume: give rank 1 rank 0's per-rank state after the restore, as "
+                  "a broken restore would (the test must catch it).")
+FLAGS = flags.FLAGS
+FORMATS = {"h5": "model.h5", "savedmodel": "model_tf", "weights": "weights", "checkpoint": "ckpt"}
+
+
+def new_model(keras, method):
+    tf.keras.utils.set_random_seed(0)
+    model = digits.cnn(keras, 0)
+    sgd = keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9, nesterov=True)
+    model.compile(optimizer=optimizer(sgd, method), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def compression(method):
+    return {"onebit": hc.Compression.onebit(), "onebit_oneway": hc.Compression.onebit(),
+            "topk": hc.Compression.topk(ratio=0.01), "randomk": hc.Compression.randomk(ratio=0.1),
+            "powersgd": hc.Compression.powersgd(rank=4), "sketch": hc.Compression.sketch(ratio=4.5)}[method]
+
+
+def optimizer(sgd, method):
+    if method == "sgp":
+        return hc.PushSumOptimizer(sgd)
+    return hc.DistributedOptimizer(sgd, compression=compression(method), two_way=method != "onebit_oneway")
+
+
+def rank_state(opt):
+    return (opt.pushsum if hasattr(opt, "pushsum") else opt.compression_exchange).rank_state
+
+
+def state_digest(opt):
+    return hashlib.sha256(b"".join(v.numpy().tobytes() for v in rank_state(opt).variables.values())).hexdigest()
+
+
+def zero_digest(opt):
+    return hashlib.sha256(b"".join(s.initial_value().numpy().tobytes()
+                                   for s in rank_state(opt).specs.values())).hexdigest()
+
+
+class SameWeights(tf.keras.callbacks.Callback):
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.checked = method, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.method == "sgp":
+            return
+        weights = hashlib.sha256(b"".join(w.tobytes() for w in self.model.get_weights())).hexdigest()
+        assert len(set(hvd_tf.allgather_object(weights, name="same_weights"))) == 1, f"ranks differ, batch {batch}"
+        self.checked += 1
+
+
+class SaveOnRankZero(tf.keras.callbacks.Callback):
+    """At the end of epoch `at`: rank 0 writes tf.train.Checkpoint; every rank records its per-rank
+    state (so the resume can tell whose state it holds)."""
+
+    def __init__(self, at, directory):
+        super().__init__()
+        self.at, self.directory, self.state = at, directory, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 != self.at:
+            return
+        if hvd.rank() == 0:
+            tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer).write(
+                str(self.directory / FORMATS["checkpoint"]))
+        self.state = state_digest(self.model.optimizer)
+
+
+def train_epochs(model, data, first, last, callbacks=()):
+    """Epochs first..last-1, each on this rank's shard in an order that depends on the epoch only,
+    so a resumed run sees the batches the uninterrupted run saw."""
+    (x, y), _ = data
+    for epoch in range(first, last):
+        order = np.random.default_rng(epoch).permutation(len(x))
+        model.fit(x[order], y[order], batch_size=32, initial_epoch=epoch, epochs=epoch + 1, shuffle=False,
+                  verbose=0, callbacks=list(callbacks))
+
+
+def accuracy(model, method, x_test, y_test):
+    if method == "sgp":
+        hc.gossip.consensus(model)
+    return float(model.evaluate(x_test, y_test, verbose=0)[1])
+
+
+def full(method, keras, data, directory):
+    _, (x_test, y_test) = data
+    model = new_model(keras, method)
+    half = FLAGS.epochs // 2
+    rank0 = [keras.callbacks.ModelCheckpoint(str(directory / FORMATS["h5"])),
+             keras.callbacks.ModelCheckpoint(str(directory / FORMATS["savedmodel"])),
+             keras.callbacks.ModelCheckpoint(str(directory / FORMATS["weights"]), save_weights_only=True)]
+    save = SaveOnRankZero(half, directory)
+    train_epochs(model, data, 0, half, [hvd.callbacks.BroadcastGlobalVariablesCallback(0), save]
+                 + (rank0 if hvd.rank() == 0 else []))
+    train_epochs(model, data, half, FLAGS.epochs)
+    return dict(accuracy=accuracy(model, method, x_test, y_test), saved_state=save.state)
+
+
+def resume(method, fmt, keras, data, directory, saved):
+    _, (x_test, y_test) = data
+    path = str(directory / FORMATS[fmt])
+    if fmt in ("h5", "savedmodel"):
+        if method == "sgp":
+            model = hc.load_model(path, optimizer_wrapper=hc.PushSumOptimizer)
+        else:
+            model = hc.load_model(path, compression=compression(method), two_way=method != "onebit_oneway")
+    else:
+        model = new_model(keras, method)
+        if fmt == "weights":
+            model.load_weights(path)
+        else:
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(path).assert_existing_objects_matched()
+    opt = model.optimizer
+    opt.build(model.trainable_variables)  # deferred restores happen here, as at a first step
+    if FLAGS.mutate and hvd.size() > 1:
+        theirs = hvd_tf.broadcast_object([v.numpy() for v in rank_state(opt).variables.values()], 0, name="mutate")
+        if hvd.rank() == 1 and all(a.shape == v.shape for a, v in zip(theirs, rank_state(opt).variables.values())):
+            for v, a in zip(rank_state(opt).variables.values(), theirs):
+                v.assign(a)
+    after_restore = state_digest(opt)
+    same = SameWeights(method)
+    half = FLAGS.epochs // 2
+    train_epochs(model, data, half, FLAGS.epochs, [same])
+    return dict(accuracy=accuracy(model, method, x_test, y_test), steps_checked=same.checked,
+                kept_own=after_restore == saved["saved_state"], reset=after_restore == zero_digest(opt))
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    lines = Lines()
+    logging.getLogger("hvd_compress").addHandler(lines)
+    (x, y), test = digits.load(0)
+    steps = len(x) // (hvd.size() * 32)  # the same number of steps on every rank
+    data = (x[hvd.rank()::hvd.size()][:steps * 32], y[hvd.rank()::hvd.size()][:steps * 32]), test
+    work = pathlib.Path(FLAGS.work_dir)
+    results = {}
+    for method in FLAGS.methods:
+        directory = work / method
+        if FLAGS.phase == "full":
+            directory.mkdir(parents=True, exist_ok=True)
+            results[method] = full(method, keras, data, directory)
+            continue
+        saved_by = work / f"saved_state_rank{hvd.rank()}.json"  # none for a rank the first run had not
+        saved = json.loads(saved_by.read_text())[method] if saved_by.exists() else {"saved_state": None}
+        for fmt in FLAGS.formats:
+            before = len(lines.lines)
+            results[f"{method}/{fmt}"] = resume(method, fmt, keras, data, directory, saved)
+            results[f"{method}/{fmt}"]["logged"] = lines.lines[before:]
+    if FLAGS.phase == "full":
+        (work / f"saved_state_rank{hvd.rank()}.json").write_text(json.dumps(results))
+    report(hvd, results=results, size=hvd.size())
+
+
+if __name__ == "__main__":
+    app.run(main)

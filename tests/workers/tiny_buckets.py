@@ -1,0 +1,71 @@
+"""Two-way dist-EF-SGD on buckets of 1 to a few thousand elements (sizes not multiples of 8, shards
+that come out empty) against the NumPy reference, on every rank; one-way and blocks too.
+
+One launch covers every world size from 1 to the number of ranks: each size n runs on the
+Horovod process set of ranks 0..n-1 (hc.DistributedOptimizer's process_set=)."""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+import np_reference as ref
+from _worker import report
+
+flags.DEFINE_list("sizes", "1,5,7,9,17,23,63,65,1031,1919",
+                  "Bucket sizes (elements).")
+FLAGS = flags.FLAGS
+STEPS, LR, MU = 3, 0.1, 0.9
+
+
+def grad(rank, step, d):
+    return np.random.default_rng([step, rank, d]).standard_normal(d).astype(np.float32)
+
+
+def run(sizes, two_way, block_size, process_set):
+    """One variable per size, each its own bucket (fusion_threshold_bytes=1): one trace for all."""
+    keras = hc.require_legacy_keras()
+    ws = [tf.Variable(np.zeros(d, np.float32)) for d in sizes]
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MU, nesterov=True),
+                                  compression=hc.Compression.onebit(block_size=block_size), two_way=two_way,
+                                  min_compress_size=1, fusion_threshold_bytes=1, process_set=process_set,
+                                  name=f"hc.n{process_set.size()}.{two_way}.{block_size}")
+    step = tf.function(lambda gs: opt.apply_gradients(zip(gs, ws)))
+    for t in range(STEPS):
+        step([tf.constant(grad(process_set.rank(), t, d)) for d in sizes])
+    assert len(opt.compression_exchange.layout.buckets) == len(sizes)
+    return [w.numpy() for w in ws]
+
+
+def reference(d, two_way, block_size, n):
+    model = ref.DistEFSGD(d, n, MU, True, block_size, two_way)
+    x = np.zeros(d, np.float32)
+    for t in range(STEPS):
+        model.step(x, [grad(r, t, d) for r in range(n)], LR)
+    return x
+
+
+def main(_):
+    sizes = range(1, int(__import__("os").environ["HOROVOD_SIZE"]))
+    process_sets = {n: hvd.ProcessSet(list(range(n))) for n in sizes}
+    hvd.init(process_sets=list(process_sets.values()))
+    process_sets[hvd.size()] = hvd.global_process_set
+    digests, empty_shards = {}, {}
+    for n, process_set in sorted(process_sets.items()):
+        if not process_set.included():
+            continue
+        sizes = [int(d) for d in FLAGS.sizes]
+        empty_shards[n] = sum(int(hc.exchange.shard_cuts(d, n)[-2] == d) for d in sizes)
+        for two_way, block_size in ((True, None), (True, 4), (False, None)):
+            for d, w in zip(sizes, run(sizes, two_way, block_size, process_set)):
+                np.testing.assert_allclose(w, reference(d, two_way, block_size, n), rtol=1e-5, atol=1e-6,
+                                           err_msg=f"n={n} d={d} two_way={two_way} block_size={block_size}")
+                assert np.abs(w).max() > 0
+                digests[f"{n}/{d}/{two_way}/{block_size}"] = hashlib.sha256(w.tobytes()).hexdigest()
+    report(hvd, digests=digests, empty_shards=empty_shards)
+
+
+if __name__ == "__main__":
+    app.run(main)
