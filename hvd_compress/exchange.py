@@ -102,6 +102,7 @@ class Exchange:
         Returns a Step."""
         raise NotImplementedError
 
+
 class DenseAllreduce:
     """Tensors that are not compressed, fused into one grouped allreduce (Horovod's own
     path), optionally through a sum-compatible Horovod compressor (none, fp16)."""

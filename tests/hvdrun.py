@@ -41,9 +41,31 @@ def worker_env(extra=None):
 def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
     """Runs tests/workers/<worker> on `np` ranks; returns the per-rank result dicts."""
     assert launcher in LAUNCHERS, launcher
+    return _launch([str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"],
+                   worker, args, np, f"{worker} on {np} ranks ({launcher})", timeout, env)
+
+
+def run_elastic(worker, *args, np=3, min_np=2, timeout=300, env=None):
+    """Runs tests/workers/<worker> as an elastic Gloo job on this machine: starts with `np` slots;
+    the host-discovery script answers `localhost:<the number in $HC_SLOTS_FILE>`, a file the
+    worker may rewrite to resize the world. Returns the result dicts of the ranks at the end (the
+    worker must end at `np` ranks). A removed rank aborts itself (Horovod's way), which is not a
+    failure of the job."""
+    with tempfile.TemporaryDirectory(prefix="hvdslots-") as slots_dir:
+        slots = pathlib.Path(slots_dir) / "slots"
+        slots.write_text(f"{np}\n")
+        cmd = [str(HOROVODRUN), "-np", str(np), "--min-np", str(min_np), "--max-np", str(np),
+               "--host-discovery-script", str(WORKERS / "discover_hosts.sh"), "--network-interface", "lo",
+               "--gloo", "--elastic-timeout", "60"]
+        # Survivors wait in hvd.init() while a new worker imports TensorFlow: longer than Gloo's 30 s.
+        env = dict(env or {}, HC_SLOTS_FILE=str(slots), HOROVOD_GLOO_TIMEOUT_SECONDS="120")
+        return _launch(cmd, worker, args, np, f"{worker}, elastic from {np} ranks", timeout, env)
+
+
+def _launch(launcher_cmd, worker, args, np, what, timeout, env):
+    """Runs `launcher_cmd python worker --out_dir ... args`; the rank<N>.json of ranks 0..np-1."""
     with tempfile.TemporaryDirectory(prefix="hvdrun-") as out_dir:
-        cmd = [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}",
-               sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)]
+        cmd = [*launcher_cmd, sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=worker_env(env), start_new_session=True)
         try:
@@ -51,15 +73,14 @@ def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-            pytest.fail(f"{worker} on {np} ranks ({launcher}) timed out after {timeout}s and was "
-                        f"killed.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
+            pytest.fail(f"{what} timed out after {timeout}s and was killed.\n$ {' '.join(cmd)}\n{output}",
+                        pytrace=False)
         if proc.returncode != 0:
-            pytest.fail(f"{worker} on {np} ranks ({launcher}) exited with {proc.returncode}.\n"
-                        f"$ {' '.join(cmd)}\n{output}", pytrace=False)
+            pytest.fail(f"{what} exited with {proc.returncode}.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
         results = []
         for rank in range(np):
             path = pathlib.Path(out_dir) / f"rank{rank}.json"
             if not path.exists():
-                pytest.fail(f"rank {rank} of {worker} wrote no result.\n{output}", pytrace=False)
+                pytest.fail(f"rank {rank} of {what} wrote no result.\n{output}", pytrace=False)
             results.append(json.loads(path.read_text()))
         return results

@@ -1,5 +1,7 @@
 """What every test worker shares: flags, horovod start-up and the per-rank result file."""
+import hashlib
 import json
+import logging
 import os
 import pathlib
 
@@ -15,3 +17,25 @@ def report(hvd, **result):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, path)
+
+
+class LoggedLines(logging.Handler):
+    """Collects what hvd_compress logs on this rank (attach with `LoggedLines.attach()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    @classmethod
+    def attach(cls):
+        handler = cls()
+        logging.getLogger("hvd_compress").addHandler(handler)
+        return handler
+
+
+def weights_digest(model):
+    """A digest of the model's weights: equal on two ranks only if every weight is bit-identical."""
+    return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()

@@ -16,7 +16,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import report, weights_digest
 
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods to run.")
 FLAGS = flags.FLAGS
@@ -59,7 +59,7 @@ class Watch(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.method != "sgp":
-            digests = hvd_tf.allgather_object(digest(self.model.get_weights()), name="watch.weights")
+            digests = hvd_tf.allgather_object(weights_digest(self.model), name="watch.weights")
             assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch}"
             self.checked += 1
         if batch == 1:

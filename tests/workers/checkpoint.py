@@ -1,6 +1,8 @@
-"""Checkpoint/resume exactness. Phase `full` trains 2S steps, saving at step S (per rank);
-phase `resume` (a new process) restores step S and trains to 2S; the final parameters and
-optimizer state must equal the uninterrupted run's, bit for bit."""
+"""Per-rank checkpoints. Phase `full` trains 2S steps, each rank saving its own file at step S;
+phase `resume` (a new process) restores step S and trains to 2S. Each rank reports the model,
+the replicated state (optimizer.variables()) and the per-rank state when saved, when restored
+and at the end: a checkpoint (tf.train.Checkpoint, save_weights) resumes all of it bit for bit;
+a model file (h5, SavedModel) holds the model and replicated state only."""
 import hashlib
 import pathlib
 
@@ -15,7 +17,7 @@ from _worker import report
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
-flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "savedmodel", "h5"], "How to save.")
+flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "weights", "savedmodel", "h5"], "How to save.")
 flags.DEFINE_string("compression", "onebit", "onebit, topk, randomk, sketch, or sgp (PushSumOptimizer).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the trained model here (model.save).")
@@ -51,40 +53,58 @@ def digest(variables):
     return hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in variables)).hexdigest()
 
 
+def states(model, opt):
+    """Digests of the model, the replicated state and the per-rank state (and what fresh per-rank
+    state would be)."""
+    rank_state = (opt.pushsum if FLAGS.compression == "sgp" else opt.compression_exchange).rank_state
+    return dict(model=digest(model.get_weights()), replicated=digest(opt.variables),
+                rank_state=digest(v.numpy() for v in rank_state.variables.values()),
+                fresh_rank_state=digest(s.initial_value().numpy() for s in rank_state.specs.values()))
+
+
 def main(_):
     keras = hc.require_legacy_keras()
     hvd.init()
     (x, y), _ = digits.load(0)
     work = pathlib.Path(FLAGS.work_dir) / f"rank{hvd.rank()}"
-    path = str(work / ("model.h5" if FLAGS.format == "h5" else "saved"))
-    if FLAGS.phase == "full" or FLAGS.format == "checkpoint":
+    path = str(work / {"h5": "model.h5", "weights": "weights"}.get(FLAGS.format, "saved"))
+    model_file = FLAGS.format in ("h5", "savedmodel")
+    if FLAGS.phase == "full" or not model_file:
         model, opt, compression = new_model_and_optimizer(keras)
-    first = 0
+    first, at_save, at_restore = 0, None, None
     if FLAGS.phase == "resume":
         if FLAGS.format == "checkpoint":
             latest = tf.train.latest_checkpoint(str(work))
             tf.train.Checkpoint(model=model, optimizer=opt).restore(latest).assert_existing_objects_matched()
+        elif FLAGS.format == "weights":
+            model.load_weights(path)
+        elif FLAGS.compression == "sgp":
+            model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(
+                sgd, graph="exponential2", overlap=True))
         else:
             model = hc.load_model(path, compression=new_model_and_optimizer(keras)[2])
-            opt = model.optimizer
-        first = STEPS
+        opt = model.optimizer
+        opt.build(model.trainable_variables)  # deferred restores happen here, as at a first step
+        at_restore, first = states(model, opt), STEPS
 
     for step in range(first, 2 * STEPS):
         if step == STEPS and FLAGS.phase == "full":
             work.mkdir(parents=True, exist_ok=True)
             if FLAGS.format == "checkpoint":
                 tf.train.Checkpoint(model=model, optimizer=opt).save(str(work / "ckpt"))
+            elif FLAGS.format == "weights":
+                model.save_weights(path)
             else:
                 model.save(path)
+            at_save = states(model, opt)
         model.train_on_batch(*batch(step, x, y))
 
     if FLAGS.export_dir and hvd.rank() == 0:
         model.save(FLAGS.export_dir)
         np.save(pathlib.Path(FLAGS.export_dir) / "inputs.npy", x[:16])
         np.save(pathlib.Path(FLAGS.export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
-    state = [v.numpy() for v in opt.variables]
-    report(hvd, model=digest(model.get_weights()), optimizer=digest(state),
-           num_optimizer_variables=len(state), iterations=int(opt.iterations.numpy()),
+    report(hvd, at_save=at_save, at_restore=at_restore, at_end=states(model, opt),
+           num_optimizer_variables=len(opt.variables), iterations=int(opt.iterations.numpy()),
            residual_norm=float(opt.compression_exchange.residual_norm() if FLAGS.compression != "sgp"
                                else opt.pushsum.in_flight[-1]))
 

@@ -11,7 +11,6 @@ right after the restore, trains the second half with identical ranks checked aft
 """
 import hashlib
 import json
-import logging
 import pathlib
 
 import numpy as np
@@ -21,7 +20,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import LoggedLines, report, weights_digest
 
 import digits
 
@@ -78,8 +77,7 @@ class SameWeights(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.method == "sgp":
             return
-        weights = hashlib.sha256(b"".join(w.tobytes() for w in self.model.get_weights())).hexdigest()
-        assert len(set(hvd_tf.allgather_object(weights, name="same_weights"))) == 1, f"ranks differ, batch {batch}"
+        assert len(set(hvd_tf.allgather_object(weights_digest(self.model), name="same_weights"))) == 1, f"ranks differ, batch {batch}"
         self.checked += 1
 
 
@@ -159,20 +157,10 @@ def resume(method, fmt, keras, data, directory, saved):
                 kept_own=after_restore == saved["saved_state"], reset=after_restore == zero_digest(opt))
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def main(_):
     keras = hc.require_legacy_keras()
     hvd.init()
-    lines = Lines()
-    logging.getLogger("hvd_compress").addHandler(lines)
+    lines = LoggedLines.attach()
     (x, y), test = digits.load(0)
     steps = len(x) // (hvd.size() * 32)  # the same number of steps on every rank
     data = (x[hvd.rank()::hvd.size()][:steps * 32], y[hvd.rank()::hvd.size()][:steps * 32]), test

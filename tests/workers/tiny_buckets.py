@@ -4,6 +4,7 @@ that come out empty) against the NumPy reference, on every rank; one-way and blo
 One launch covers every world size from 1 to the number of ranks: each size n runs on the
 Horovod process set of ranks 0..n-1 (hc.DistributedOptimizer's process_set=)."""
 import hashlib
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -14,8 +15,8 @@ import hvd_compress as hc
 import np_reference as ref
 from _worker import report
 
-flags.DEFINE_list("sizes", "1,5,7,9,17,23,63,65,1031,1919",
-                  "Bucket sizes (elements).")
+flags.DEFINE_list("sizes", "1,5,7,9,17,23,63,65,1031,1919", "Bucket sizes (elements).")
+flags.DEFINE_list("world_sizes", None, "World sizes to run (default: 1 to the number of ranks).")
 FLAGS = flags.FLAGS
 STEPS, LR, MU = 3, 0.1, 0.9
 
@@ -48,10 +49,12 @@ def reference(d, two_way, block_size, n):
 
 
 def main(_):
-    sizes = range(1, int(__import__("os").environ["HOROVOD_SIZE"]))
-    process_sets = {n: hvd.ProcessSet(list(range(n))) for n in sizes}
+    ranks = int(os.environ["HOROVOD_SIZE"])  # hvd.init needs the process sets before it runs
+    world_sizes = [int(n) for n in FLAGS.world_sizes or range(1, ranks + 1)]
+    process_sets = {n: hvd.ProcessSet(list(range(n))) for n in world_sizes if n < ranks}
     hvd.init(process_sets=list(process_sets.values()))
-    process_sets[hvd.size()] = hvd.global_process_set
+    if ranks in world_sizes:
+        process_sets[ranks] = hvd.global_process_set
     digests, empty_shards = {}, {}
     for n, process_set in sorted(process_sets.items()):
         if not process_set.included():
