@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo test bench wire clean
+.PHONY: setup demo text test bench wire clean
 
 setup:
 	./scripts/setup.sh
@@ -13,6 +13,11 @@ setup:
 demo: setup
 	PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
 		$(PY) examples/keras_digits.py --compression onebit
+
+# A character-level model with an Embedding under mixed_float16: onebit two-way, then Horovod's fp16.
+text: setup
+	for method in onebit horovod_fp16; do PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
+		$(PY) examples/keras_text.py --method $$method; done
 
 test: setup
 	$(PY) -m pytest

@@ -75,7 +75,7 @@ def main(_):
     if hvd.rank() == 0:
         print(f"compression={FLAGS.compression} two_way={FLAGS.two_way} ranks={hvd.size()} "
               f"test_accuracy={accuracy:.4f} bytes_per_step={sent:.0f} "
-              f"fp32_allreduce_bytes_per_step={fp32:.0f} ratio={fp32 / sent:.1f}x "
+              f"fp32_allreduce_bytes_per_step={fp32:.0f} ratio={fp32 / max(sent, 1):.1f}x "
               f"total_MB={sent * steps * FLAGS.epochs / 1e6:.3f}")
         if FLAGS.history:
             with open(FLAGS.history, "w") as f:

@@ -12,8 +12,14 @@ Layout. At the first step the trainable variables are split into
 Every rank checks, before the first collective, that all ranks have the same
 compression settings and variables (a clear error instead of a hang).
 
-Update rules (all state in optimizer variables, so tf.train.Checkpoint and
-model.save keep it):
+State. Replicated state (the wrapped optimizer's slots, PowerSGD's Q,
+Accordion's history) is optimizer variables: Horovod's broadcasts, elastic
+sync and model files carry it. Per-rank and sharded state (residuals,
+momenta, server-residual shards) is kept apart, in checkpoints only, with the
+rank and world size it belongs to; a restore onto another rank or world size
+starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
+
+Update rules:
 - onebit under SGD (with or without momentum, Nesterov or not): dist-EF-SGD
   (Zheng, Huang, Kwok, NeurIPS 2019).
   Momentum moves in front of the compressor and the learning rate inside the

@@ -190,7 +190,8 @@ def check_ranks_agree(settings, rank_state, process_set, name, previous_size=Non
 
 
 def check_world(rank, size, process_set):
-    """Ops for the step, before any collective: the world must still be the one planned for
+    """Ops for the step, before any collective: the world (this process's global rank, the
+    process set's size) must still be the one planned for
     (after an elastic reset without a re-plan the collectives of the old layout would not pair
     up, or would move other ranks' shards)."""
     message = (f"hvd_compress: the step was planned for rank {rank} of {size} ranks and the world has "

@@ -112,12 +112,14 @@ def test_resume_keeps_the_detector_history_and_choices(tmp_path):
 
 
 def test_accordion_trains_as_well_as_static_low_compression_with_fewer_bytes():
-    """examples/keras_accordion.py, PowerSGD rank 4 <-> 1 on 2 ranks, same seed and epochs.
-    One run each: within 1 point (3.6 of the 360 test images); the issue's 0.5 point is checked
-    on the mean of 3 seeds by benchmarks/accordion.py."""
-    low, adaptive = (run_ranks("accordion_digits.py", f"--mode={mode}", np=2, timeout=300)[0]
-                     for mode in ("low", "accordion"))
-    assert adaptive["test_accuracy"] >= low["test_accuracy"] - 0.01
-    assert adaptive["total_bytes"] <= 0.6 * low["total_bytes"]
-    regimes = [e["accordion_critical/dense/kernel"] for e in adaptive["epochs"]]
-    assert regimes[0] == 1.0 and 0.0 in regimes  # starts critical, then compresses more
+    """examples/keras_accordion.py, PowerSGD rank 4 <-> 1 on 2 ranks, same seeds and epochs: on the
+    mean of 3 seeds within 1 point (one run alone moves by about a point: 360 test images); the
+    issue's 0.5 point is checked by benchmarks/accordion.py."""
+    runs = {mode: [run_ranks("accordion_digits.py", f"--mode={mode}", f"--seed={seed}", np=2, timeout=300)[0]
+                   for seed in range(3)] for mode in ("low", "accordion")}
+    low, adaptive = (np.mean([r["test_accuracy"] for r in runs[mode]]) for mode in ("low", "accordion"))
+    assert adaptive >= low - 0.01, (adaptive, low)
+    for low_run, adaptive_run in zip(runs["low"], runs["accordion"]):
+        assert adaptive_run["total_bytes"] <= 0.6 * low_run["total_bytes"]
+        regimes = [e["accordion_critical/dense/kernel"] for e in adaptive_run["epochs"]]
+        assert regimes[0] == 1.0 and 0.0 in regimes  # starts critical, then compresses more

@@ -9,14 +9,19 @@ import pytest
 from hvdrun import run_ranks
 
 
+def save_and_resume(tmp_path, save_format, compression):
+    """Each rank's results of the uninterrupted run and of the run resumed halfway (2 ranks)."""
+    flags = [f"--format={save_format}", f"--compression={compression}", f"--work_dir={tmp_path}"]
+    return (run_ranks("checkpoint.py", "--phase=full", *flags, np=2),
+            run_ranks("checkpoint.py", "--phase=resume", *flags, np=2))
+
+
 @pytest.mark.parametrize("save_format, compression", [
     ("checkpoint", "onebit"), ("weights", "onebit"), ("checkpoint", "randomk"), ("checkpoint", "sketch"),
     ("checkpoint", "sgp"), ("weights", "powersgd"),
 ])
 def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, save_format, compression):
-    flags = [f"--format={save_format}", f"--compression={compression}", f"--work_dir={tmp_path}"]
-    full = run_ranks("checkpoint.py", "--phase=full", *flags, np=2)
-    resumed = run_ranks("checkpoint.py", "--phase=resume", *flags, np=2)
+    full, resumed = save_and_resume(tmp_path, save_format, compression)
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["num_optimizer_variables"] == before["num_optimizer_variables"]
@@ -31,9 +36,7 @@ def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, save_f
     ("h5", "onebit"), ("savedmodel", "onebit"), ("h5", "powersgd"), ("savedmodel", "sgp"),
 ])
 def test_a_model_file_resumes_the_model_and_replicated_state(tmp_path, save_format, compression):
-    flags = [f"--format={save_format}", f"--compression={compression}", f"--work_dir={tmp_path}"]
-    full = run_ranks("checkpoint.py", "--phase=full", *flags, np=2)
-    resumed = run_ranks("checkpoint.py", "--phase=resume", *flags, np=2)
+    full, resumed = save_and_resume(tmp_path, save_format, compression)
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["at_restore"]["model"] == before["at_save"]["model"]

@@ -51,8 +51,8 @@ def compression(method):
 
 
 def optimizer(sgd, method):
-    if method == "sgp":
-        return hc.PushSumOptimizer(sgd)
+    if method == "sgp":  # overlap: the mass in flight is per-rank state (without it w_i stays 1)
+        return hc.PushSumOptimizer(sgd, overlap=True)
     return hc.DistributedOptimizer(sgd, compression=compression(method), two_way=method != "onebit_oneway")
 
 
@@ -133,7 +133,7 @@ def resume(method, fmt, keras, data, directory, saved):
     path = str(directory / FORMATS[fmt])
     if fmt in ("h5", "savedmodel"):
         if method == "sgp":
-            model = hc.load_model(path, optimizer_wrapper=hc.PushSumOptimizer)
+            model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(sgd, overlap=True))
         else:
             model = hc.load_model(path, compression=compression(method), two_way=method != "onebit_oneway")
     else:

@@ -17,6 +17,7 @@ from _worker import report
 
 flags.DEFINE_list("sizes", "1,5,7,9,17,23,63,65,1031,1919", "Bucket sizes (elements).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: 1 to the number of ranks).")
+flags.DEFINE_list("variants", "two_way,two_way_blocks,one_way", "dist-EF-SGD variants to run.")
 FLAGS = flags.FLAGS
 STEPS, LR, MU = 3, 0.1, 0.9
 
@@ -61,7 +62,8 @@ def main(_):
             continue
         sizes = [int(d) for d in FLAGS.sizes]
         empty_shards[n] = sum(int(hc.exchange.shard_cuts(d, n)[-2] == d) for d in sizes)
-        for two_way, block_size in ((True, None), (True, 4), (False, None)):
+        variants = {"two_way": (True, None), "two_way_blocks": (True, 4), "one_way": (False, None)}
+        for two_way, block_size in (variants[v] for v in FLAGS.variants):
             for d, w in zip(sizes, run(sizes, two_way, block_size, process_set)):
                 np.testing.assert_allclose(w, reference(d, two_way, block_size, n), rtol=1e-5, atol=1e-6,
                                            err_msg=f"n={n} d={d} two_way={two_way} block_size={block_size}")

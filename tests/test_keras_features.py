@@ -1,0 +1,113 @@
+"""Ordinary tf_keras features under horovodrun (2 ranks), with every method: mixed precision
+(compile()'s LossScaleOptimizer and an explicit one), bfloat16 and float16, Embeddings, layers
+without gradients, clipping, jit_compile. See docs/design.md, "Keras features"."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hvdrun import HOROVODRUN, TESTS, run_ranks, worker_env
+
+ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "embedding",
+        "unused_layer", "clipnorm", "global_clipnorm"]  # as in workers/keras_features.py
+METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    ranks = run_ranks("keras_features.py", "--case=matrix", np=2, timeout=900)
+    return [r["results"] for r in ranks]
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_method_trains_with_the_feature(matrix, row):
+    """Every row: ranks identical after every step (SGP: after consensus), the loss falls, every
+    piece of state is finite. And each row's own expectation, below."""
+    for method in METHODS:
+        key = f"{row}/{method}"
+        for rank, results in enumerate(matrix):
+            got = results[key]
+            assert got["finite"] and got["weights_finite"], (key, rank, got)
+            assert got["losses"][-1] < got["losses"][0], (key, rank, got["losses"])
+            assert got["steps_checked"] == (0 if method == "sgp" else 18), (key, rank)
+        first, second = matrix[0][key], matrix[1][key]
+        if row in ("mixed_float16", "explicit_loss_scale"):  # compile() or the user added loss scaling
+            assert first["optimizer"] == "LossScaleOptimizerV3"
+            assert first["loss_scale"] == second["loss_scale"]
+        if row == "float16_variables":
+            assert first["variable_dtypes"] == ["float16"]
+        if row == "unused_layer":  # no gradient: left alone, weight decay and momentum included
+            assert first["unused_moved"] == second["unused_moved"] == 0.0
+        if row == "embedding" and method != "sgp":  # the sparse gradient is densified and compressed
+            assert first["bytes_per_step"] < 4 * 50 * 16
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """mixed_float16; one sample of rank 1 has an infinite weight at one batch."""
+    ranks = run_ranks("keras_features.py", "--case=overflow", np=2, timeout=600)
+    for method in METHODS:
+        per_rank = [r["results"][method] for r in ranks]
+        for got in per_rank:
+            assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
+            assert got["after"]["state"] == got["before"]["state"], method  # and left every piece of state
+            assert got["after"]["loss_scale"] == got["before"]["loss_scale"] / 2, method
+            assert got["after"]["iterations"] == got["before"]["iterations"] + 1, method
+            assert got["identical"], method
+        assert per_rank[0]["after"]["loss_scale"] == per_rank[1]["after"]["loss_scale"]
+
+
+def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass():
+    """A constant gradient of norm 37, clipnorm=1 (or global_clipnorm=1), 300 steps: each method moves
+    the weights exactly as when fed the gradient clipped by hand, and as far as the uncompressed
+    exchange within 10%. Sketched SGD's recovery moves far less on this gradient (a known gap of the
+    heavy-hitter recovery, planned separately), so it is held to the first test only."""
+    results = run_ranks("keras_features.py", "--case=clipping", np=2, timeout=600)[0]["results"]
+    for clip in ("clipnorm", "global_clipnorm"):
+        uncompressed = results[f"{clip}/none"]["clipped"]
+        for method in ["none"] + [m for m in METHODS if m != "sgp"]:
+            got = results[f"{clip}/{method}"]
+            assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-5), (clip, method, got)
+            if method != "sketch":
+                assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
+
+
+def test_jit_compile_fails_at_the_first_step_with_the_fix(tmp_path):
+    code = """
+import hvd_compress as hc, numpy as np, tensorflow as tf
+import horovod.tensorflow.keras as hvd
+hvd.init()
+keras = hc.require_legacy_keras()
+model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer=hc.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+try:
+    model.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0)
+except ValueError as e:
+    print("refused:", e)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                            env=worker_env(), cwd=tmp_path)
+    assert "refused:" in result.stdout and "jit_compile=False" in result.stdout, result.stderr[-3000:]
+
+
+def test_wrapping_a_loss_scale_optimizer_names_the_order_that_works():
+    import hvd_compress as hc
+    keras = hc.require_legacy_keras()
+    inner = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    for wrapper in (hc.DistributedOptimizer, hc.PushSumOptimizer):
+        with pytest.raises(TypeError, match=r"LossScaleOptimizer\(hvd_compress"):
+            wrapper(inner)
+
+
+def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horovod_fp16(tmp_path):
+    """examples/keras_text.py, 2 ranks, mixed_float16: onebit two-way next to Horovod's fp16."""
+    results = {}
+    for method in ("horovod_fp16", "onebit"):
+        out = tmp_path / f"{method}.json"
+        cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+               str(TESTS.parent / "examples" / "keras_text.py"), f"--method={method}", f"--result={out}"]
+        subprocess.run(cmd, check=True, timeout=600, env=worker_env(), capture_output=True)
+        results[method] = json.loads(out.read_text())
+    assert results["onebit"]["loss_scale_optimizer"] == "LossScaleOptimizerV3"
+    assert results["onebit"]["test_accuracy"] >= results["horovod_fp16"]["test_accuracy"] - 0.01, results
+    assert results["onebit"]["bytes_per_step"] < results["horovod_fp16"]["bytes_per_step"] / 8, results

@@ -1,0 +1,241 @@
+"""Ordinary tf_keras features with every method, as users turn them on.
+
+--case=matrix: for each row (mixed precision policies, an explicit LossScaleOptimizer, float16
+variables, an Embedding, an unused layer, clipping) and each method, model.fit on this rank's
+data; after every batch the ranks must hold identical weights (SGP: checked after consensus);
+reports the loss per epoch, whether all state is finite, and the row's own facts (the unused
+layer's weights, the loss scale).
+--case=overflow: mixed_float16; at batch OVERFLOW_AT one sample of rank 1 has an infinite weight,
+so only rank 1's gradient overflows: every rank must skip that step (weights and state as they
+were) and halve its loss scale alike.
+--case=clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 for
+STEPS_CLIPPED steps: how far each method moves the weights, next to the uncompressed exchange
+and to the same method fed the gradient clipped by hand.
+"""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+import hvd_compress as hc
+from _worker import report, weights_digest
+
+ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "embedding",
+        "unused_layer", "clipnorm", "global_clipnorm"]
+METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
+flags.DEFINE_enum("case", "matrix", ["matrix", "overflow", "clipping"], "What to run.")
+flags.DEFINE_list("rows", ROWS, "Matrix rows.")
+flags.DEFINE_list("methods", METHODS, "Methods.")
+FLAGS = flags.FLAGS
+BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 3, 3, 300
+
+
+def compression(method):
+    return {"none": hc.Compression.none, "onebit": hc.Compression.onebit(),
+            "onebit_oneway": hc.Compression.onebit(), "topk": hc.Compression.topk(ratio=0.05),
+            "randomk": hc.Compression.randomk(ratio=0.1), "powersgd": hc.Compression.powersgd(rank=2),
+            "sketch": hc.Compression.sketch(ratio=3)}[method]
+
+
+def wrap(sgd, method):
+    if method == "sgp":
+        return hc.PushSumOptimizer(sgd, graph="exponential2")
+    return hc.DistributedOptimizer(sgd, compression=compression(method), two_way=method != "onebit_oneway",
+                                   min_compress_size=64)
+
+
+def digest(arrays):
+    return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
+
+
+def inner(opt):
+    """The hvd_compress optimizer inside a LossScaleOptimizer (or itself)."""
+    return getattr(opt, "inner_optimizer", opt)
+
+
+def all_state(opt):
+    """Every variable of the optimizer: replicated (optimizer.variables) and per-rank."""
+    hc_opt = inner(opt)
+    owner = hc_opt.pushsum if hasattr(hc_opt, "pushsum") else hc_opt.compression_exchange
+    return list(hc_opt.variables) + list(owner.rank_state.variables.values())
+
+
+class UnusedLayer(tf.keras.Model):
+    """An MLP with a layer whose weights get no gradient (None), built but never called."""
+
+    def __init__(self, keras):
+        super().__init__()
+        self.hidden = keras.layers.Dense(37, activation="relu")
+        self.unused = keras.layers.Dense(23)
+        self.out = keras.layers.Dense(5)
+        self.unused.build((None, 29))
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def model_for(keras, row):
+    if row == "unused_layer":
+        model = UnusedLayer(keras)
+        model.build((None, 29))
+        return model
+    if row == "embedding":
+        return keras.Sequential([keras.layers.Input((12,), dtype="int32"), keras.layers.Embedding(50, 16),
+                                 keras.layers.Flatten(), keras.layers.Dense(37, activation="relu"),
+                                 keras.layers.Dense(5), keras.layers.Activation("linear", dtype="float32")])
+    return keras.Sequential([keras.layers.Input((29,)), keras.layers.Dense(37, activation="relu"),
+                             keras.layers.Dense(23, activation="relu"), keras.layers.Dense(5),
+                             keras.layers.Activation("linear", dtype="float32")])
+
+
+def data(row, rank):
+    rng = np.random.default_rng([rank, 7])
+    if row == "embedding":
+        x = rng.integers(0, 50, (STEPS * BATCH, 12)).astype(np.int32)
+        return x, (x[:, 0] % 5)
+    x = rng.standard_normal((STEPS * BATCH, 29)).astype(np.float32)
+    return x, (x[:, :5]).argmax(1)
+
+
+def policy_for(row):
+    return {"mixed_float16": "mixed_float16", "explicit_loss_scale": "mixed_float16",
+            "mixed_bfloat16": "mixed_bfloat16", "float16_variables": "float16"}.get(row, "float32")
+
+
+class Identical(tf.keras.callbacks.Callback):
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.checked = method, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.method == "sgp":
+            return
+        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="identical")
+        assert len(set(everyone)) == 1, f"{self.method}: ranks differ after batch {batch}"
+        self.checked += 1
+
+
+def train(keras, row, method):
+    keras.mixed_precision.set_global_policy(policy_for(row))
+    try:
+        tf.keras.utils.set_random_seed(0)
+        model = model_for(keras, row)
+        clip = {"clipnorm": dict(clipnorm=0.5), "global_clipnorm": dict(global_clipnorm=0.5)}.get(row, {})
+        decay = dict(weight_decay=1e-2) if row == "unused_layer" else {}
+        opt = wrap(keras.optimizers.SGD(0.05, momentum=0.9, **clip, **decay), method)
+        if row == "explicit_loss_scale":
+            opt = keras.mixed_precision.LossScaleOptimizer(opt)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        unused_before = [w.numpy() for w in model.unused.weights] if row == "unused_layer" else []
+        identical = Identical(method)
+        x, y = data(row, hvd.rank())
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), identical])
+        if method == "sgp":
+            hc.gossip.consensus(model)
+            everyone = hvd_tf.allgather_object(weights_digest(model), name="consensus")
+            assert len(set(everyone)) == 1, "sgp: ranks differ after consensus"
+        opt = model.optimizer
+        result = dict(
+            losses=[float(v) for v in history.history["loss"]], steps_checked=identical.checked,
+            finite=bool(all(np.isfinite(v.numpy().astype(np.float32)).all() for v in all_state(opt))),
+            weights_finite=bool(all(np.isfinite(w.astype(np.float32)).all() for w in model.get_weights())),
+            loss_scale=float(opt.loss_scale.numpy()) if hasattr(opt, "loss_scale") else None,
+            variable_dtypes=sorted({v.dtype.name for v in model.trainable_variables}),
+            optimizer=type(opt).__name__)
+        if row == "unused_layer":
+            result["unused_moved"] = float(max(np.abs(w.numpy() - b).max()
+                                               for w, b in zip(model.unused.weights, unused_before)))
+        if method != "sgp":
+            result["bytes_per_step"] = float(inner(opt).compression_exchange.bytes_sent)
+        return result
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+class Overflow(tf.keras.callbacks.Callback):
+    """Around batch OVERFLOW_AT: every piece of state and the loss scale, before and after."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == OVERFLOW_AT:
+            self.before = self.snapshot()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == OVERFLOW_AT:
+            self.after = self.snapshot()
+
+    def snapshot(self):
+        opt = self.model.optimizer
+        inner_opt = inner(opt)
+        state = [v for v in all_state(opt) if v is not inner_opt.iterations]
+        return dict(weights=weights_digest(self.model), state=digest(v.numpy() for v in state),
+                    loss_scale=float(opt.loss_scale.numpy()), iterations=int(inner_opt.iterations.numpy()))
+
+
+def overflow(keras, method):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        tf.keras.utils.set_random_seed(0)
+        model = model_for(keras, "mlp")
+        model.compile(optimizer=wrap(keras.optimizers.SGD(0.05, momentum=0.9), method),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data("mlp", hvd.rank())
+        weights = np.ones(len(x), np.float32)
+        if hvd.rank() == 1:
+            weights[OVERFLOW_AT * BATCH] = np.inf  # only rank 1's gradient overflows
+        watch = Overflow()
+        model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), watch])
+        everyone = hvd_tf.allgather_object(weights_digest(model), name="after_overflow")
+        return dict(before=watch.before, after=watch.after, identical=len(set(everyone)) == 1 or method == "sgp",
+                    inner_is_loss_scaled=type(model.optimizer).__name__)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def movement(keras, method, g, clip):
+    """Mean |change| per coordinate after STEPS_CLIPPED steps of the same constant gradient g."""
+    w = tf.Variable(tf.zeros(g.shape))
+    sgd = keras.optimizers.SGD(0.01, **clip)
+    opt = hc.DistributedOptimizer(sgd, min_compress_size=64) if method == "none" else wrap(sgd, method)
+
+    @tf.function
+    def steps():
+        for _ in tf.range(STEPS_CLIPPED):
+            opt.apply_gradients([(g, w)])
+
+    steps()
+    return float(tf.reduce_mean(tf.abs(w)).numpy())
+
+
+def clipped_movements(keras, method, clip):
+    """With clipping, and without clipping on the gradient clipped by hand (the same if clipping
+    happens once, on each rank's gradient before error feedback)."""
+    g = tf.constant(np.random.default_rng(3).uniform(0.5, 1.5, (64, 64)).astype(np.float32))
+    return dict(clipped=movement(keras, method, g, clip),
+                clipped_by_hand=movement(keras, method, g * (1.0 / tf.norm(g)), {}))
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    results = {}
+    if FLAGS.case == "matrix":
+        for row in FLAGS.rows:
+            for method in FLAGS.methods:
+                results[f"{row}/{method}"] = train(keras, row, method)
+    elif FLAGS.case == "overflow":
+        for method in FLAGS.methods:
+            results[method] = overflow(keras, method)
+    else:
+        for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0))):
+            for method in ["none"] + [m for m in FLAGS.methods if m != "sgp"]:
+                results[f"{name}/{method}"] = clipped_movements(keras, method, clip)
+    report(hvd, results=results)
+
+
+if __name__ == "__main__":
+    app.run(main)
