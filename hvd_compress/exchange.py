@@ -110,16 +110,45 @@ class DenseAllreduce:
     def __init__(self, shapes, dtypes, compression, size, process_set, op, gradient_predivide_factor, name):
         self.compression, self.size, self.process_set, self.op = compression, size, process_set, op
         self.predivide, self.name = gradient_predivide_factor, name
-        payload = sum(int(np.prod(s, dtype=np.int64)) * compression.wire_bytes(d) for s, d in zip(shapes, dtypes))
+        payload = sum(int(np.prod(s, dtype=np.int64)) * compression.wire_bytes(self.summed_dtype(d))
+                      for s, d in zip(shapes, dtypes))
         self.bytes_sent = allreduce_bytes(payload, size)
+
+    @staticmethod
+    def summed_dtype(dtype):
+        """Horovod's allreduce has no bfloat16: such tensors are summed as float32 (or travel as
+        float16 under Compression.fp16) and cast back."""
+        return tf.float32 if tf.as_dtype(dtype) == tf.bfloat16 else tf.as_dtype(dtype)
 
     def __call__(self, tensors):
         if not tensors:
             return []
-        return hvd.grouped_allreduce(
-            list(tensors), op=self.op, compression=self.compression,
+        summed = hvd.grouped_allreduce(
+            [tf.cast(t, self.summed_dtype(t.dtype)) for t in tensors], op=self.op, compression=self.compression,
             prescale_factor=1.0 / self.predivide, postscale_factor=self.predivide,
             process_set=self.process_set, name=self.name)
+        return [tf.cast(s, t.dtype) for s, t in zip(summed, tensors)]
+
+
+def agree_on_finiteness(grads, process_set, name):
+    """Makes every rank's gradients NaN when any rank's are not all finite (one scalar allreduce).
+
+    For tf.keras.mixed_precision.LossScaleOptimizer, which decides locally whether a step
+    overflowed: after this every rank takes the same skip/apply decision (no rank waits in a
+    collective the others skipped), and the loss scale evolves identically on every rank."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+    everywhere = hvd.allreduce(tf.cast(finite, tf.float32), op=hvd.Min, process_set=process_set, name=name) > 0.5
+
+    def agreed(g):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(agreed(g.values), g.indices, g.dense_shape)
+        return tf.cond(everywhere, lambda: g, lambda: g * tf.constant(np.nan, g.dtype))
+
+    return [None if g is None else agreed(g) for g in grads]
 
 
 class FullAllreduce(Exchange):

@@ -29,9 +29,9 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import state
+from hvd_compress import exchange, state
 from hvd_compress.keras_compat import require_legacy_keras
-from hvd_compress.optimizer import check_same_variables
+from hvd_compress.optimizer import check_known_variables, refuse_loss_scale_optimizer, refuse_xla
 from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
 GRAPHS = ("exponential", "exponential2", "ring")
@@ -146,7 +146,8 @@ class PushSum:
         """One gossip round on the (already locally updated) variables z."""
         with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
             w = tf.identity(self.weight)
-        x = tf.concat([tf.reshape(v, [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
+        # The mass travels in float32 whatever the variables' dtype (float16 variables included).
+        x = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
         peers = len(out_peers(self.graph, self.rank, self.size, 0))
         share = x / float(peers + 1)
         received = self._send(share, step)
@@ -173,7 +174,7 @@ class PushSum:
         self.weight.assign(w)
         offset = 0
         for v, size, shape in zip(variables, self.sizes, self.shapes):
-            v.assign(tf.reshape(mixed[offset:offset + size] / w, shape))
+            v.assign(tf.cast(tf.reshape(mixed[offset:offset + size] / w, shape), v.dtype))
             offset += size
 
 
@@ -200,12 +201,21 @@ class _PushSumOptimizerMixin:
         if self._hc_pushsum.built:
             self._hc_pushsum.plan_world()
 
+    def aggregate_gradients(self, grads_and_vars):
+        """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees on
+        whether the step is finite, so all skip it or none does (the gossip pairs up)."""
+        pairs = list(grads_and_vars)
+        grads = exchange.agree_on_finiteness([g for g, _ in pairs], self._hc_pushsum.process_set,
+                                             f"{self._hc_pushsum.name}.finite")
+        return list(zip(grads, [v for _, v in pairs]))
+
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        refuse_xla("hvd_compress.PushSumOptimizer")
         pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
-        check_same_variables(self._hc_pushsum.variable_ids, variables, "PushSumOptimizer")
+        check_known_variables(self._hc_pushsum.variable_ids, variables, "PushSumOptimizer")
         step = tf.identity(self.iterations)
         iteration = super().apply_gradients(pairs, name=name, **kwargs)
         self._hc_pushsum(variables, step)
@@ -221,6 +231,7 @@ def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_ever
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
     """
     keras = require_legacy_keras()
+    refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a tf_keras optimizer, got {type(optimizer).__name__}.")
     pushsum = PushSum(graph, overlap, average_every, process_set)
@@ -238,13 +249,15 @@ def consensus(model, process_set=hvd.global_process_set):
     go on afterwards (the average is a valid PushSum state with weight 1 on
     every rank when no message is in flight).
     """
-    for i, v in enumerate(model.weights):
-        v.assign(hvd.allreduce(v, op=hvd.Average, process_set=process_set, name=f"hc.consensus.{i}"))
+    for i, v in enumerate(model.weights):  # bfloat16 (which Horovod cannot sum) averaged as float32
+        average = hvd.allreduce(tf.cast(v, exchange.DenseAllreduce.summed_dtype(v.dtype)), op=hvd.Average,
+                                process_set=process_set, name=f"hc.consensus.{i}")
+        v.assign(tf.cast(average, v.dtype))
 
 
 def parameter_spread(model, process_set=hvd.global_process_set):
     """Max over parameters of (max - min across ranks): how far the ranks are from consensus."""
-    flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_weights], 0)
+    flat = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.trainable_weights], 0)
     high = hvd.allreduce(flat, op=hvd.Max, process_set=process_set, name="hc.spread.max")
     low = hvd.allreduce(flat, op=hvd.Min, process_set=process_set, name="hc.spread.min")
     return float(tf.reduce_max(high - low))

@@ -19,6 +19,13 @@ momenta, server-residual shards) is kept apart, in checkpoints only, with the
 rank and world size it belongs to; a restore onto another rank or world size
 starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
 
+Keras features (docs/design.md): under a LossScaleOptimizer every rank agrees
+on whether a step overflowed (`aggregate_gradients`), and a skipped step
+leaves all state as it was; clipnorm/clipvalue/global_clipnorm clip each
+rank's gradient once, before error feedback; sparse gradients are densified;
+variables with a None gradient are left alone (zeros travel in their place);
+state of float16/bfloat16 variables is float32.
+
 Update rules:
 - onebit under SGD (with or without momentum, Nesterov or not): dist-EF-SGD
   (Zheng, Huang, Kwok, NeurIPS 2019).
@@ -48,6 +55,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops, state
@@ -212,7 +220,8 @@ class GradientExchange(tf.Module):
             return self._state_variable(spec, rank_state)
 
         def per_variable(kind, i):  # keyed by position: Keras's layer names depend on what was built before
-            return new_state(StateSpec(f"{kind}/{i}", self.layout.shapes[i], PER_RANK, self.variable_dtypes[i]))
+            return new_state(StateSpec(f"{kind}/{i}", self.layout.shapes[i], PER_RANK,
+                                       state_dtype(self.variable_dtypes[i])))
 
         self.residuals = [per_variable("residual", i) for i in self.layout.compressed]
         self.momenta = [per_variable("momentum", i) for i in self.layout.compressed] if self.direct_update else []
@@ -290,18 +299,25 @@ class GradientExchange(tf.Module):
         return tf.linalg.global_norm(tensors) if tensors else tf.constant(0.0)
 
     # -- one step -----------------------------------------------------------------------
+    def arrange(self, grads_and_vars, owner):
+        """(gradients, variables) in the planned order, None for planned variables that are not in
+        grads_and_vars or whose gradient is None: those are left alone this step."""
+        pairs = list(grads_and_vars)
+        check_known_variables(self.variable_ids, [v for _, v in pairs], owner)
+        position = {vid: i for i, vid in enumerate(self.variable_ids)}
+        grads, variables = [None] * len(position), [None] * len(position)
+        for g, v in pairs:
+            grads[position[id(v)]], variables[position[id(v)]] = g, v
+        return grads, variables
+
     def prepare(self, grads):
-        """Checks and densifies the gradients (None -> zeros, IndexedSlices -> dense or error)."""
+        """Checks and densifies the gradients (None -> zeros, so that the collectives pair up;
+        IndexedSlices -> dense)."""
         prepared = []
         for g, name, shape, dtype in zip(grads, self.variable_names, self.layout.shapes, self.variable_dtypes):
-            if g is None:  # every rank sends the same layout; a missing gradient counts as zero
+            if g is None:
                 g = tf.zeros(shape, dtype)
-            elif isinstance(g, tf.IndexedSlices):
-                if not self.sparse_as_dense:
-                    raise ValueError(
-                        f"The gradient of {name} is sparse (tf.IndexedSlices, e.g. from an Embedding). "
-                        "hvd_compress.DistributedOptimizer exchanges dense buffers: pass "
-                        "sparse_as_dense=True to densify it.")
+            elif isinstance(g, tf.IndexedSlices):  # Embeddings, tf.gather: densified, then compressed
                 g = tf.convert_to_tensor(g)
             if not g.dtype.is_floating:
                 raise TypeError(
@@ -311,8 +327,10 @@ class GradientExchange(tf.Module):
         return prepared
 
     def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
-        """Returns one tensor per variable: a delta to subtract (compressed variables in
-        direct-update mode) or an averaged gradient (everything else)."""
+        """Returns one tensor per variable, in its dtype: a delta to subtract (compressed variables
+        in direct-update mode) or an averaged gradient (everything else); None where the gradient
+        is None (zeros travel in its place, and its state is left as it was)."""
+        absent = {i for i, g in enumerate(grads) if g is None}
         with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
             grads = [tf.identity(g) for g in self.prepare(grads)]
         out = list(grads)
@@ -322,7 +340,8 @@ class GradientExchange(tf.Module):
         if self.monitor is not None:
             self.monitor.observe(grads)
         for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
-            flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov), [-1])
+            flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov)
+                                         if i not in absent else tf.zeros(self.layout.shapes[i]), [-1])
                               for i in bucket], 0)
             runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, flat, step)
                     for ex, own in zip(alternatives, self.exchange_state[b])]
@@ -335,10 +354,11 @@ class GradientExchange(tf.Module):
                 update = update * self.process_set.size()
             for i in bucket:
                 size, shape = self.layout.sizes[i], self.layout.shapes[i]
-                self.residuals[self.layout.slot[i]].assign(tf.reshape(residual[offset:offset + size], shape))
-                out[i] = tf.reshape(update[offset:offset + size], shape)
+                if i not in absent:
+                    self.residuals[self.layout.slot[i]].assign(tf.reshape(residual[offset:offset + size], shape))
+                out[i] = tf.cast(tf.reshape(update[offset:offset + size], shape), self.variable_dtypes[i])
                 offset += size
-        return out
+        return [None if i in absent else g for i, g in enumerate(out)]
 
     def _run(self, ex, own_state, bucket, flat, step):
         """Runs one bucket's exchange and stores its new state: (what this worker sent, mean update)."""
@@ -370,12 +390,37 @@ class GradientExchange(tf.Module):
         return learning_rate * p + e
 
 
-def check_same_variables(expected_ids, variables, owner):
-    """The layout is planned for the variables of the first step: they must come again, in order."""
-    if [id(v) for v in variables] != expected_ids:
-        raise ValueError(f"{owner} plans its layout for the variables of the first step and needs the "
-                         "same variables, in the same order, at every step. Use one per list of "
-                         "variables.")
+def check_known_variables(planned_ids, variables, owner):
+    """The layout is planned for the variables of the first step; later steps may leave some out
+    (None gradients), but bring no new ones."""
+    planned = set(planned_ids)
+    for v in variables:
+        if id(v) not in planned:
+            raise ValueError(f"{owner} planned its layout for the variables of its first step, and {v.name} "
+                             "was not among them. Use one optimizer per list of variables, and give the "
+                             "first step all of them.")
+
+
+def state_dtype(dtype):
+    """Residuals and momenta of float16/bfloat16 variables are float32: error feedback adds up
+    many small leftovers, which half precision would round away."""
+    return tf.float32 if tf.as_dtype(dtype).is_floating else tf.as_dtype(dtype)
+
+
+def refuse_loss_scale_optimizer(optimizer, wrapper):
+    keras = require_legacy_keras()
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        raise TypeError(f"{wrapper} cannot wrap a LossScaleOptimizer: loss scaling must see the exchanged "
+                        f"step. Wrap the other way, tf.keras.mixed_precision.LossScaleOptimizer("
+                        f"{wrapper}(optimizer)), or let model.compile() add it under a mixed_float16 policy.")
+
+
+def refuse_xla(owner):
+    """At trace time: Horovod's collectives have no XLA kernels (on CPU), so a jit-compiled step
+    fails deep inside; say so where the user can fix it."""
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(f"{owner} runs Horovod collectives, which XLA cannot compile: use "
+                         "model.compile(..., jit_compile=False) (or tf.function(jit_compile=False)).")
 
 
 def _check_arguments(compression, two_way, op, min_compress_size, fusion_threshold_bytes):
@@ -417,6 +462,19 @@ class _DistributedOptimizerMixin:
         # (which Horovod broadcasts) nor in model files.
         return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
                                         self._hc_exchange.rank_state, save_type)
+
+    def aggregate_gradients(self, grads_and_vars):
+        """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees on
+        whether the step is finite (the exchange itself runs in apply_gradients)."""
+        pairs = list(grads_and_vars)
+        grads = exchange.agree_on_finiteness([g for g, _ in pairs], self._hc_exchange.process_set,
+                                             f"{self._hc_exchange.collective_name}.finite")
+        return list(zip(grads, [v for _, v in pairs]))
+
+    def _clip_gradients(self, grads):
+        """The wrapped optimizer's clipping, turned off where it would clip the exchanged result:
+        _hc_apply clips each rank's gradient before the exchange, once (docs/design.md)."""
+        return grads
 
     def _hc_direct_update(self):
         """Momentum in front and lr inside (dist-EF-SGD, sketched SGD) for onebit and sketch
@@ -465,13 +523,14 @@ class _DistributedOptimizerMixin:
         self._hc_passes_per_step.assign(passes)
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
-        if skip_gradients_aggregation or not kwargs.pop("experimental_aggregate_gradients", True):
-            return super().apply_gradients(grads_and_vars, name=name, skip_gradients_aggregation=True)
+        """Exchanges and applies. The gradients are exchanged whatever skip_gradients_aggregation
+        says (it is about tf.distribute, and LossScaleOptimizer sets it); variables missing from
+        grads_and_vars or with a None gradient are left alone, as Keras does."""
+        refuse_xla("hvd_compress.DistributedOptimizer")
         pairs = list(grads_and_vars)
-        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         with tf.init_scope():
-            self.build(variables)
-        check_same_variables(self._hc_exchange.variable_ids, variables, "hvd_compress.DistributedOptimizer")
+            self.build([v for _, v in pairs])
+        grads, variables = self._hc_exchange.arrange(pairs, "hvd_compress.DistributedOptimizer")
         if self._hc_backward_passes == 1:
             return self._hc_apply(grads, variables, name)
         return self._hc_apply_every_k_passes(grads, variables, name)
@@ -479,14 +538,15 @@ class _DistributedOptimizerMixin:
     def _hc_apply_every_k_passes(self, grads, variables, name):
         """Accumulates gradients locally; exchanges and applies them every k-th pass."""
         exchange_ = self._hc_exchange
-        grads = exchange_.prepare(grads)
-        for acc, g in zip(exchange_.accumulated, grads):
+        absent = [g is None for g in grads]
+        for acc, g in zip(exchange_.accumulated, exchange_.prepare(grads)):
             acc.assign_add(tf.cast(g, acc.dtype))
         passes = exchange_.passes.assign_add(1)
 
         def apply():
             scale = 1.0 / tf.cast(passes, tf.float32) if self._hc_average_aggregated else 1.0
-            self._hc_apply([acc * tf.cast(scale, acc.dtype) for acc in exchange_.accumulated], variables, name)
+            self._hc_apply([None if skip else acc * tf.cast(scale, acc.dtype)
+                            for acc, skip in zip(exchange_.accumulated, absent)], variables, name)
             for acc in exchange_.accumulated:
                 acc.assign(tf.zeros_like(acc))
             exchange_.passes.assign(0)
@@ -496,17 +556,18 @@ class _DistributedOptimizerMixin:
         return self.iterations
 
     def _hc_apply(self, grads, variables, name):
+        """grads, variables: in the planned order, None for those left alone this step."""
         self._compute_current_learning_rate()
         direct = self._hc_exchange.direct_update
-        if direct:
-            grads = list(self._clip_gradients(self._hc_exchange.prepare(grads)))
+        grads = self._hc_clip(grads)
         results = self._hc_exchange(
             grads, learning_rate=tf.cast(self.learning_rate, tf.float32) if direct else None,
             momentum=float(getattr(self, "momentum", 0.0)), nesterov=bool(getattr(self, "nesterov", False)),
             step=self.iterations)
         compressed = set(self._hc_exchange.layout.compressed) if direct else set()
-        deltas = [(r, v) for i, (r, v) in enumerate(zip(results, variables)) if i in compressed]
-        passed_on = [(r, v) for i, (r, v) in enumerate(zip(results, variables)) if i not in compressed]
+        applied = [(i, r, v) for i, (r, v) in enumerate(zip(results, variables)) if r is not None]
+        deltas = [(r, v) for i, r, v in applied if i in compressed]
+        passed_on = [(r, v) for i, r, v in applied if i not in compressed]
         if deltas:
             self._apply_weight_decay([v for _, v in deltas])
             for delta, v in deltas:
@@ -516,6 +577,14 @@ class _DistributedOptimizerMixin:
         if passed_on:
             return super().apply_gradients(passed_on, name=name, skip_gradients_aggregation=True)
         return self.iterations.assign_add(1)
+
+    def _hc_clip(self, grads):
+        """clipnorm, clipvalue or global_clipnorm of the wrapped optimizer, on this rank's gradients
+        (None: left alone), before error feedback: what is clipped is what a single machine would
+        clip, and nothing the exchange holds back is clipped again later."""
+        present = [g for g in grads if g is not None]
+        clipped = iter(super()._clip_gradients([tf.convert_to_tensor(g) for g in present]))
+        return [None if g is None else next(clipped) for g in grads]
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -541,6 +610,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     config (so its name and saved config are the original's).
     """
     keras = require_legacy_keras()
+    refuse_loss_scale_optimizer(optimizer, "hvd_compress.DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a tf_keras optimizer (tf.keras.optimizers.*), got "
                         f"{type(optimizer).__name__}. Legacy (tf.keras.optimizers.legacy) and Keras 3 "
@@ -591,8 +661,10 @@ class DistributedGradientTape:
         variables = tf.nest.flatten(sources)
         with tf.init_scope():
             self.exchange.build(variables)
-        check_same_variables(self.exchange.variable_ids, variables, "A GradientExchange")
-        return tf.nest.pack_sequence_as(grads, self.exchange(tf.nest.flatten(grads)))
+        arranged, _ = self.exchange.arrange(zip(tf.nest.flatten(grads), variables), "A GradientExchange")
+        exchanged = self.exchange(arranged)
+        position = {vid: i for i, vid in enumerate(self.exchange.variable_ids)}
+        return tf.nest.pack_sequence_as(grads, [exchanged[position[id(v)]] for v in variables])
 
     def __getattr__(self, name):
         return getattr(self._tape, name)

@@ -77,7 +77,8 @@ class SameWeights(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.method == "sgp":
             return
-        assert len(set(hvd_tf.allgather_object(weights_digest(self.model), name="same_weights"))) == 1, f"ranks differ, batch {batch}"
+        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="same_weights")
+        assert len(set(everyone)) == 1, f"ranks differ, batch {batch}"
         self.checked += 1
 
 
