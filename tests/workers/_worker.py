@@ -5,6 +5,8 @@ import logging
 import os
 import pathlib
 
+import horovod.tensorflow as hvd_tf
+import tensorflow as tf
 from absl import flags
 
 flags.DEFINE_string("out_dir", None, "Where each rank writes rank<N>.json.")
@@ -39,3 +41,19 @@ class LoggedLines(logging.Handler):
 def weights_digest(model):
     """A digest of the model's weights: equal on two ranks only if every weight is bit-identical."""
     return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
+
+
+class IdenticalRanks(tf.keras.callbacks.Callback):
+    """After every batch: every rank must hold bit-identical weights (counted in `checked`).
+    Skipped for SGP, whose ranks agree only after gossip.consensus."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method, self.checked = method, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.method == "sgp":
+            return
+        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="identical_ranks")
+        assert len(set(everyone)) == 1, f"{self.method}: ranks differ after batch {batch}"
+        self.checked += 1

@@ -21,7 +21,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import hvd_compress as hc
-from _worker import report, weights_digest
+from _worker import IdenticalRanks, report, weights_digest
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
@@ -106,19 +106,6 @@ def policy_for(row):
             "bfloat16_variables": "bfloat16"}.get(row, "float32")
 
 
-class Identical(tf.keras.callbacks.Callback):
-    def __init__(self, method):
-        super().__init__()
-        self.method, self.checked = method, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.method == "sgp":
-            return
-        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="identical")
-        assert len(set(everyone)) == 1, f"{self.method}: ranks differ after batch {batch}"
-        self.checked += 1
-
-
 def train(keras, row, method):
     keras.mixed_precision.set_global_policy(policy_for(row))
     try:
@@ -131,7 +118,7 @@ def train(keras, row, method):
             opt = keras.mixed_precision.LossScaleOptimizer(opt)
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         unused_before = [w.numpy() for w in model.unused.weights] if row == "unused_layer" else []
-        identical = Identical(method)
+        identical = IdenticalRanks(method)
         x, y = data(row, hvd.rank())
         # Horovod's broadcast has no bfloat16 (its own limit): there the same seed gives the same start.
         broadcast = [] if row == "bfloat16_variables" else [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]

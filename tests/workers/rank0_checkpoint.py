@@ -20,7 +20,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import hvd_compress as hc
-from _worker import LoggedLines, report, weights_digest
+from _worker import IdenticalRanks, LoggedLines, report, weights_digest
 
 import digits
 
@@ -67,19 +67,6 @@ def state_digest(opt):
 def zero_digest(opt):
     return hashlib.sha256(b"".join(s.initial_value().numpy().tobytes()
                                    for s in rank_state(opt).specs.values())).hexdigest()
-
-
-class SameWeights(tf.keras.callbacks.Callback):
-    def __init__(self, method):
-        super().__init__()
-        self.method, self.checked = method, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.method == "sgp":
-            return
-        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="same_weights")
-        assert len(set(everyone)) == 1, f"ranks differ, batch {batch}"
-        self.checked += 1
 
 
 class SaveOnRankZero(tf.keras.callbacks.Callback):
@@ -151,7 +138,7 @@ def resume(method, fmt, keras, data, directory, saved):
             for v, a in zip(rank_state(opt).variables.values(), theirs):
                 v.assign(a)
     after_restore = state_digest(opt)
-    same = SameWeights(method)
+    same = IdenticalRanks(method)
     half = FLAGS.epochs // 2
     train_epochs(model, data, half, FLAGS.epochs, [same])
     return dict(accuracy=accuracy(model, method, x_test, y_test), steps_checked=same.checked,
