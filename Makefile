@@ -1,5 +1,7 @@
 # hvd_compress: `make demo` sets everything up and runs the main job; `make test` runs the tests.
-VENV ?= .venv
+# STACK=current (TensorFlow 2.21, Keras 3, tf_keras; .venv) or STACK=tf2.18 (.venv-tf2.18).
+STACK ?= current
+VENV ?= $(if $(filter tf2.18,$(STACK)),.venv-tf2.18,.venv)
 NP ?= 2
 PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
@@ -8,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 .PHONY: setup demo text test bench wire clean
 
 setup:
-	./scripts/setup.sh
+	HVD_COMPRESS_STACK=$(STACK) HVD_COMPRESS_VENV=$(VENV) ./scripts/setup.sh
 
 demo: setup
 	PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
@@ -34,4 +36,4 @@ wire: setup
 	$(PY) benchmarks/wire.py
 
 clean:
-	rm -rf build hvd_compress/_tf_ops.so
+	rm -rf build hvd_compress/_tf_ops*.so

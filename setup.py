@@ -4,12 +4,12 @@
 
 `--no-build-isolation` is required: the ops are compiled against the
 TensorFlow that is installed in the current environment, with the flags that
-TensorFlow itself reports (tf.sysconfig), so they always match its ABI. A
-change of TensorFlow forces a full rebuild, and the library reports the
-TensorFlow version it was compiled against (the HvdCompressBuildInfo op), so
+TensorFlow itself reports (tf.sysconfig), so they always match its ABI. The
+library is named after that TensorFlow (hvd_compress/_tf_ops-tf<version>.so),
+so environments with different TensorFlows can share one checkout, and it
+reports the version it was compiled against (the HvdCompressBuildInfo op), so
 hvd_compress/ops.py refuses to load one built for another version.
 """
-import json
 import os
 import pathlib
 import platform
@@ -20,7 +20,6 @@ from setuptools.command.build_ext import build_ext
 
 HERE = pathlib.Path(__file__).parent.resolve()
 OPS_LIBRARY = "hvd_compress._tf_ops"
-BUILD_INFO = "_tf_ops_build.json"
 
 
 def tensorflow_build_config():
@@ -30,34 +29,32 @@ def tensorflow_build_config():
     except ImportError as exc:
         raise SystemExit(
             "hvd_compress builds its ops against the installed TensorFlow, but "
-            "`import tensorflow` failed. Install tensorflow==2.18.1 first and "
+            "`import tensorflow` failed. Install TensorFlow first (requirements.txt) and "
             "run `pip install --no-build-isolation .` so the build can see it."
         ) from exc
     return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
 
 
 class BuildTFOps(build_ext):
-    """Compiles tf_ops/*.cc into hvd_compress/_tf_ops.so (no Python ABI tag)."""
+    """Compiles tf_ops/*.cc into hvd_compress/_tf_ops-tf<version>.so (no Python ABI tag), with
+    objects in a build directory of that TensorFlow's own."""
 
     def get_ext_filename(self, fullname):
         filename = super().get_ext_filename(fullname)
         if fullname.split(".")[-1] == OPS_LIBRARY.split(".")[-1]:
-            return filename[: -len(sysconfig.get_config_var("EXT_SUFFIX"))] + ".so"
+            version = tensorflow_build_config()[0]
+            return filename[: -len(sysconfig.get_config_var("EXT_SUFFIX"))] + f"-tf{version}.so"
         return filename
 
     def build_extension(self, ext):
         version, compile_flags, link_flags = tensorflow_build_config()
         # AVX + F16C: required by TensorFlow's own x86 wheels and used by Horovod's build.
         simd = ["-mavx", "-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []
-        ext.extra_compile_args = ["-std=c++17", "-O3", "-fvisibility=hidden", *simd, *compile_flags]
+        ext.extra_compile_args = ["-std=c++17", "-O3", "-fvisibility=hidden", *simd, *compile_flags,
+                                  f'-DHVD_COMPRESS_TF_VERSION="{version}"']
         ext.extra_link_args = link_flags
-        info = pathlib.Path(self.build_temp) / BUILD_INFO
-        previous = json.loads(info.read_text()) if info.exists() else {}
-        if previous.get("tensorflow") != version:
-            self.force = True  # the library was built for another TensorFlow
+        self.build_temp = os.path.join(self.build_temp, f"tf{version}")
         super().build_extension(ext)
-        info.parent.mkdir(parents=True, exist_ok=True)
-        info.write_text(json.dumps({"tensorflow": version}) + "\n")
 
 
 setup(

@@ -3,8 +3,6 @@
 1797 images ship with scikit-learn, so nothing is downloaded. A fixed
 stratified 80/20 split; each rank trains on its own equal-size shard.
 """
-import hvd_compress  # first: selects Keras 2 for tf.keras
-
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
@@ -48,7 +46,7 @@ def cnn(keras, seed=0):
     ])
 
 
-class TestAccuracy(hvd_compress.require_legacy_keras().callbacks.Callback):
+class TestAccuracy(tf.keras.callbacks.Callback):
     """Adds test_accuracy to every epoch's logs (for accuracy-versus-bytes curves)."""
 
     def __init__(self, x, y):

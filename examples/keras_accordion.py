@@ -11,14 +11,13 @@ rank 4 <-> 1 by default); --mode batch switches the batch size instead
 test accuracy and the total bytes one worker sent; --history writes the
 per-epoch logs (regime per layer, cumulative bytes, test accuracy) as JSON.
 """
-import hvd_compress as hc  # first: selects Keras 2 for tf.keras
-
 import json
 
 import tensorflow as tf
 from absl import app, flags
 
-import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd
+import hvd_compress as hc
 
 import digits
 
@@ -47,7 +46,7 @@ SETTINGS = {
 
 
 def main(_):
-    keras = hc.require_legacy_keras()
+    keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
     hvd.init()
     tf.keras.utils.set_random_seed(FLAGS.seed)
     (x_train, y_train), (x_test, y_test) = digits.load(FLAGS.seed)
@@ -59,7 +58,7 @@ def main(_):
     drops = sorted(int(e) for e in FLAGS.lr_drops)
     schedule = keras.callbacks.LearningRateScheduler(
         lambda epoch: lr * 0.1 ** sum(epoch >= d for d in drops))
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), schedule]
+    callbacks = [hc.callbacks.BroadcastGlobalVariablesCallback(0), schedule]
     if FLAGS.mode == "accordion":
         callbacks.append(hc.callbacks.Accordion(low=low, high=high, eta=FLAGS.eta))
     elif FLAGS.mode == "batch":

@@ -6,15 +6,17 @@ Prints the test accuracy and the bytes each worker sent per step; --history writ
 per-epoch logs (test accuracy, cumulative bytes per worker) as JSON. --compression sgp trains
 with Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients, and
 evaluates the consensus model at the end (per epoch: rank 0's own model).
-"""
-import hvd_compress as hc  # first: selects Keras 2 for tf.keras
 
+It runs in the Keras `tf.keras` is: Keras 3 by default, tf_keras under TF_USE_LEGACY_KERAS=1
+(hvd_compress takes either; its callbacks broadcast the initial state in both).
+"""
 import json
 
 import tensorflow as tf
 from absl import app, flags
 
-import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd
+import hvd_compress as hc
 
 import digits
 from hvd_compress.exchange import allreduce_bytes
@@ -47,7 +49,7 @@ def compression_from_flags():
 
 
 def main(_):
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     hvd.init()
     tf.keras.utils.set_random_seed(FLAGS.seed)
     (x_train, y_train), (x_test, y_test) = digits.load(FLAGS.seed)
@@ -61,7 +63,7 @@ def main(_):
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    callbacks = [hc.callbacks.BroadcastGlobalVariablesCallback(0)]
     callbacks += [] if gossip else [hc.callbacks.CompressionMetrics()]
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps,
                         callbacks=callbacks + [digits.TestAccuracy(x_test, y_test)],

@@ -91,7 +91,7 @@ class AdaptiveCompression(StatefulCompressor):
 def current_learning_rate(optimizer):
     """The learning rate the next step will use (a schedule evaluated at the step count)."""
     lr = optimizer._learning_rate
-    if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule):
+    if callable(lr) and not hasattr(lr, "assign"):  # a LearningRateSchedule of either Keras
         lr = lr(optimizer.iterations)
     return float(tf.convert_to_tensor(lr))
 

@@ -1,16 +1,67 @@
-"""Keras callbacks: compression metrics in the logs (and so in TensorBoard), and Accordion's
-adaptive compression and batch size."""
+"""Keras callbacks for either Keras (Keras 3 or tf_keras): compression metrics in the logs (and
+so in TensorBoard), Accordion's adaptive compression and batch size, and the two Horovod
+callbacks that Horovod's Keras layer cannot run under Keras 3 (broadcasting the initial state,
+averaging metrics).
+
+They subclass tf_keras's Callback, which Keras 3's model.fit runs as well (it calls the same
+hooks and needs no more)."""
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 import horovod.tensorflow as hvd
 from hvd_compress import accordion
-from hvd_compress.keras_compat import require_legacy_keras
-
-keras = require_legacy_keras()
+from hvd_compress.keras_compat import sgd_classes
 
 
-class CompressionMetrics(keras.callbacks.Callback):
+def hc_optimizer(model):
+    """The model's optimizer inside any LossScaleOptimizer."""
+    optimizer = model.optimizer
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def tf_variable(v):
+    """The tf.Variable behind a Keras 3 variable (Horovod's collectives take tf.Variables)."""
+    return v if isinstance(v, tf.Variable) else v.value
+
+
+class BroadcastGlobalVariablesCallback(tf_keras.callbacks.Callback):
+    """Horovod's BroadcastGlobalVariablesCallback for either Keras: at the start of training,
+    before the first step, every rank takes rank `root_rank`'s model and optimizer variables (the
+    replicated state; per-rank state stays each rank's own: docs/design.md, "State scopes").
+    It runs when the first batch begins, after every callback's on_train_begin (Accordion's
+    plans the exchange), and builds the optimizer first, so its slots exist and are broadcast too.
+    Once per callback, as Horovod's."""
+
+    def __init__(self, root_rank=0, process_set=hvd.global_process_set):
+        super().__init__()
+        self.root_rank, self.process_set, self.done = root_rank, process_set, False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.done:
+            return
+        self.model.optimizer.build(self.model.trainable_variables)
+        variables = [tf_variable(v) for v in self.model.variables + list(self.model.optimizer.variables)]
+        hvd.broadcast_variables(variables, root_rank=self.root_rank, process_set=self.process_set)
+        self.done = True
+
+
+class MetricAverageCallback(tf_keras.callbacks.Callback):
+    """Horovod's MetricAverageCallback for either Keras: at every epoch end, each numeric value in
+    the logs becomes its average over the ranks (put it before callbacks that read the logs)."""
+
+    def __init__(self, process_set=hvd.global_process_set):
+        super().__init__()
+        self.process_set = process_set
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key in sorted(logs or {}):  # the same order on every rank
+            if np.ndim(logs[key]) == 0 and np.issubdtype(np.asarray(logs[key]).dtype, np.number):
+                logs[key] = float(hvd.allreduce(tf.constant(float(logs[key]), tf.float64), op=hvd.Average,
+                                                process_set=self.process_set, name=f"hc.metric.{key}"))
+
+
+class CompressionMetrics(tf_keras.callbacks.Callback):
     """Adds, at every epoch end, to the Keras logs:
 
     - bytes_per_step: bytes one worker sends per step through hvd_compress
@@ -23,7 +74,7 @@ class CompressionMetrics(keras.callbacks.Callback):
     """
 
     def on_epoch_end(self, epoch, logs=None):
-        exchange = getattr(self.model.optimizer, "compression_exchange", None)
+        exchange = getattr(hc_optimizer(self.model), "compression_exchange", None)
         if exchange is None or not exchange.built or logs is None:
             return
         logs["bytes_per_step"] = float(exchange.bytes_sent)
@@ -31,7 +82,7 @@ class CompressionMetrics(keras.callbacks.Callback):
         logs["residual_norm"] = float(tf.convert_to_tensor(exchange.residual_norm()))
 
 
-class _RegimeSwitching(keras.callbacks.Callback):
+class _RegimeSwitching(tf_keras.callbacks.Callback):
     """What Accordion's two callbacks share: the detection interval, one decision on every
     rank at the start of each interval (hvd_compress/accordion.py), bytes and logs."""
 
@@ -46,15 +97,15 @@ class _RegimeSwitching(keras.callbacks.Callback):
         self.decisions = []
 
     def _exchange(self):
-        exchange = getattr(self.model.optimizer, "compression_exchange", None)
+        exchange = getattr(hc_optimizer(self.model), "compression_exchange", None)
         if exchange is None:
             raise TypeError(f"{type(self).__name__} needs the model compiled with "
                             "hvd_compress.DistributedOptimizer, got "
-                            f"{type(self.model.optimizer).__name__}.")
+                            f"{type(hc_optimizer(self.model)).__name__}.")
         return exchange
 
     def on_train_begin(self, logs=None):
-        self._attach(self.model.optimizer, self._exchange())
+        self._attach(hc_optimizer(self.model), self._exchange())
         # Creates the detector's state now (restored from a checkpoint if one was loaded).
         self.model.optimizer.build(self.model.trainable_variables)
         self._apply(self.detector.critical.numpy() > 0.5)
@@ -75,7 +126,7 @@ class _RegimeSwitching(keras.callbacks.Callback):
 
     def _decide(self):
         self.detector.bytes_total.assign(self._bytes_so_far())  # the interval's steps, at its setting
-        optimizer = self.model.optimizer
+        optimizer = hc_optimizer(self.model)
         learning_rate = accordion.current_learning_rate(optimizer)
         critical, norms = self.detector.decide(learning_rate, self._exchange().process_set)
         self._apply(critical)
@@ -156,7 +207,7 @@ class AccordionBatchSize(_RegimeSwitching):
         self.small, self.large = small, large
 
     def _attach(self, optimizer, exchange):
-        if not isinstance(optimizer, keras.optimizers.SGD):
+        if not isinstance(optimizer, sgd_classes()):
             raise TypeError("AccordionBatchSize scales the learning rate by the linear rule, which holds "
                             f"for SGD; got {type(optimizer).__name__}.")
         exchange.use_accordion(exchange.compression, self.detector)
@@ -164,7 +215,7 @@ class AccordionBatchSize(_RegimeSwitching):
             optimizer._hc_allow_passes_up_to(self.large // self.small)
 
     def _apply(self, critical):
-        self.model.optimizer.set_backward_passes_per_step(1 if critical[0] else self.large // self.small)
+        hc_optimizer(self.model).set_backward_passes_per_step(1 if critical[0] else self.large // self.small)
 
     def _describe(self, critical):
         return f"batch {self.small if critical[0] else self.large} per rank"

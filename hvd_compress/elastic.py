@@ -1,9 +1,13 @@
-"""Elastic training (horovod.tensorflow.keras.elastic) with hvd_compress optimizers.
+"""Elastic training (horovod.tensorflow.keras.elastic) with hvd_compress optimizers, in either
+Keras.
 
 Horovod's `hvd.elastic.KerasState(model, optimizer)` saves, restores and
 broadcasts `model.variables` and `optimizer.variables()`: with hvd_compress
 these are the model and the replicated state only, so a sync never moves
-per-rank or sharded state between ranks. What Horovod's state cannot do is
+per-rank or sharded state between ranks. (Horovod's own calls
+`optimizer.variables()`, which Keras 3 makes a list, and broadcasts Keras 3's
+variables, which its collectives do not take: `KerasState` here does the same
+on the tf.Variables behind them.) What Horovod's state cannot do is
 re-plan the exchange when the world changes: the two-way server residual is
 cut into one shard per rank, the gossip graph depends on the ranks, and the
 traced training step has those layouts built in. `KerasState` here is
@@ -29,18 +33,43 @@ stops with an error that names this class (never silent, never a hang).
         model.fit(..., initial_epoch=state.epoch, callbacks=[
             hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)])
 """
+import horovod.tensorflow as hvd
 import horovod.tensorflow.keras.elastic as hvd_elastic
+import tensorflow as tf
+
+from hvd_compress.callbacks import tf_variable
+
+
+def optimizer_variables(optimizer):
+    """optimizer.variables of either Keras (a method in tf_keras, a list in Keras 3)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
 
 
 class KerasState(hvd_elastic.KerasState):
-    """Horovod's elastic KerasState for models compiled with an hvd_compress optimizer (see the
-    module docstring); takes the same arguments."""
+    """Horovod's elastic KerasState for models compiled with an hvd_compress optimizer, in either
+    Keras (see the module docstring); takes the same arguments."""
 
     def __init__(self, model, optimizer=None, **kwargs):
         optimizer = optimizer or model.optimizer
-        optimizer.build(model.trainable_variables)  # before Horovod saves optimizer.variables()
+        optimizer.build(model.trainable_variables)  # before the state saves optimizer.variables
         super().__init__(model, optimizer=optimizer, **kwargs)
+        self._bcast_model = self._broadcast_model
         self.register_reset_callbacks([self._replan])
+
+    def _variables(self):
+        """The model's and the optimizer's tf.Variables (Keras 3 wraps them)."""
+        return [tf_variable(v) for v in list(self.model.variables) + optimizer_variables(self.optimizer)]
+
+    def _save_model(self):
+        self._saved = [tf.identity(v) for v in self._variables()]
+
+    def _load_model(self):
+        for v, saved in zip(self._variables(), self._saved):
+            v.assign(saved)
+
+    def _broadcast_model(self):
+        hvd.broadcast_variables(self._variables(), root_rank=0)
 
     def _replan(self):
         replan = getattr(self.optimizer, "hc_replan", None)

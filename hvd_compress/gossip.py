@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, state
-from hvd_compress.keras_compat import require_legacy_keras
+from hvd_compress.keras_compat import wrapper_class
 from hvd_compress.optimizer import check_known_variables, refuse_loss_scale_optimizer, refuse_xla
 from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
@@ -95,8 +95,8 @@ class PushSum:
         if self.built:
             return
         self.variable_ids = [id(v) for v in variables]
-        self.shapes = [v.shape for v in variables]
-        self.sizes = [int(v.shape.num_elements()) for v in variables]
+        self.shapes = [tf.TensorShape(v.shape) for v in variables]
+        self.sizes = [int(shape.num_elements()) for shape in self.shapes]
         self.holder, self.rank_state = holder, None
         self.plan_world()
         self.built = True
@@ -201,43 +201,36 @@ class _PushSumOptimizerMixin:
         if self._hc_pushsum.built:
             self._hc_pushsum.plan_world()
 
-    def aggregate_gradients(self, grads_and_vars):
-        """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees on
-        whether the step is finite, so all skip it or none does (the gossip pairs up)."""
-        pairs = list(grads_and_vars)
-        grads = exchange.agree_on_finiteness([g for g, _ in pairs], self._hc_pushsum.process_set,
-                                             f"{self._hc_pushsum.name}.finite")
-        return list(zip(grads, [v for _, v in pairs]))
+    def _hc_agree_on_finiteness(self, grads):
+        """Before a LossScaleOptimizer checks for an overflow: every rank agrees on whether the
+        step is finite, so all skip it or none does (the gossip pairs up)."""
+        return exchange.agree_on_finiteness(grads, self._hc_pushsum.process_set, f"{self._hc_pushsum.name}.finite")
 
-    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+    def _hc_step(self, pairs):
+        """The wrapped optimizer's step on this rank's gradients, then the gossip."""
         refuse_xla("hvd_compress.PushSumOptimizer")
-        pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
         check_known_variables(self._hc_pushsum.variable_ids, variables, "PushSumOptimizer")
         step = tf.identity(self.iterations)
-        iteration = super().apply_gradients(pairs, name=name, **kwargs)
+        iteration = self._hc_wrapped_apply(pairs)
         self._hc_pushsum(variables, step)
         return iteration
 
 
 def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_every=None,
                      process_set=hvd.global_process_set):
-    """Wraps a tf_keras optimizer for Stochastic Gradient Push (see the module docstring).
+    """Wraps a Keras optimizer (Keras 3 or tf_keras) for Stochastic Gradient Push (see the module
+    docstring).
 
     No gradient allreduce happens: each rank steps on its own gradient, then
     gossips its parameters. Use `consensus(model)` to evaluate or save the
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
     """
-    keras = require_legacy_keras()
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a tf_keras optimizer, got {type(optimizer).__name__}.")
     pushsum = PushSum(graph, overlap, average_every, process_set)
-    base = optimizer.__class__
-    cls = type(base.__name__, (_PushSumOptimizerMixin, base), {"__module__": base.__module__})
-    wrapped = cls.from_config(optimizer.get_config())
+    wrapped = wrapper_class(optimizer, _PushSumOptimizerMixin).from_config(optimizer.get_config())
     wrapped._hc_init(pushsum)
     return wrapped
 

@@ -1,17 +1,162 @@
-"""Which Keras `tf.keras` is, and the refusal to run the Keras wrappers on Keras 3."""
+"""Both Kerases: tf_keras (Keras 2, `tf.keras` under TF_USE_LEGACY_KERAS=1) and Keras 3.
+
+hvd_compress wraps an optimizer of either; which one an optimizer is decides everything else
+(the user's choice of Keras, not an environment variable set behind their back). The two differ
+in how model.fit and a LossScaleOptimizer call the optimizer, and each wrapper class mixes in one
+of the two entry points below:
+
+- tf_keras calls `apply_gradients(grads_and_vars)`, and its LossScaleOptimizer calls the inner
+  optimizer's `aggregate_gradients` before it checks for an overflow;
+- Keras 3 calls `apply(grads, trainable_variables)` (apply_gradients calls it too), and its
+  LossScaleOptimizer checks for an overflow with its own `check_finite`, which has no hook for the
+  inner optimizer: `agree_on_overflows_in_keras3` adds one, so every rank skips an overflowed step
+  together (otherwise the ranks that skip leave the others waiting in a collective).
+
+A wrapper's core implements `_hc_agree_on_finiteness(grads)` and `_hc_step(grads_and_vars)`.
+"""
+import functools
+import importlib
+
 import tensorflow as tf
+
+from hvd_compress import state
+
+
+def _module(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def tf_keras():
+    """The tf_keras package, or None."""
+    return _module("tf_keras")
+
+
+@functools.lru_cache(maxsize=None)
+def keras3():
+    """The Keras 3 package, or None."""
+    keras = _module("keras")
+    return keras if keras is not None and int(keras.__version__.split(".")[0]) >= 3 else None
+
+
+def keras_of(optimizer):
+    """The Keras package `optimizer` belongs to (tf_keras or Keras 3), or raises TypeError."""
+    for keras in (tf_keras(), keras3()):
+        if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
+            return keras
+    raise TypeError(f"optimizer must be a Keras optimizer (keras.optimizers.* of Keras 3, or "
+                    f"tf_keras.optimizers.* / tf.keras.optimizers.* under TF_USE_LEGACY_KERAS=1), got "
+                    f"{type(optimizer).__module__}.{type(optimizer).__name__}. Legacy optimizers "
+                    "(tf.keras.optimizers.legacy) are not supported.")
+
+
+def is_keras3(optimizer):
+    return keras3() is not None and isinstance(optimizer, keras3().optimizers.Optimizer)
+
+
+def loss_scale_optimizer_classes():
+    """LossScaleOptimizer of each installed Keras."""
+    classes = []
+    if tf_keras() is not None:
+        classes.append(tf_keras().mixed_precision.LossScaleOptimizer)
+    if keras3() is not None:
+        classes.append(keras3().optimizers.LossScaleOptimizer)
+    return tuple(classes)
+
+
+def sgd_classes():
+    """SGD of each installed Keras."""
+    return tuple(keras.optimizers.SGD for keras in (tf_keras(), keras3()) if keras is not None)
+
+
+def wrapper_class(optimizer, core):
+    """A subclass of `optimizer`'s class (named alike) with the wrapper's `core` mixin after the
+    entry point of the optimizer's Keras."""
+    keras_of(optimizer)
+    entry = TfKerasEntry
+    if is_keras3(optimizer):
+        agree_on_overflows_in_keras3()
+        entry = Keras3Entry
+    base = type(optimizer)
+    return type(base.__name__, (entry, core, base), {"__module__": base.__module__})
+
+
+class TfKerasEntry:
+    """How tf_keras's model.fit and LossScaleOptimizer reach a wrapper."""
+
+    def aggregate_gradients(self, grads_and_vars):
+        """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees."""
+        pairs = list(grads_and_vars)
+        grads = self._hc_agree_on_finiteness([g for g, _ in pairs])
+        return list(zip(grads, [v for _, v in pairs]))
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        """Exchanges whatever skip_gradients_aggregation says (it is about tf.distribute, and
+        LossScaleOptimizer sets it)."""
+        return self._hc_step(list(grads_and_vars))
+
+    def _hc_wrapped_apply(self, grads_and_vars):
+        """The wrapped optimizer's own update of these variables (it counts the step)."""
+        return super().apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
+
+    def _hc_learning_rate(self):
+        self._compute_current_learning_rate()
+        return self.learning_rate
+
+
+class Keras3Entry:
+    """How Keras 3's model.fit (through apply_gradients) and LossScaleOptimizer reach a wrapper."""
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        return self._hc_step(list(zip(grads, trainable_variables)))
+
+    def _hc_wrapped_apply(self, grads_and_vars):
+        """The wrapped optimizer's own update of these variables (it counts the step)."""
+        super().apply([g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
+        return self.iterations
+
+    def _hc_learning_rate(self):
+        return self.learning_rate
+
+    def load_own_variables(self, store):
+        """Loading a .keras or .weights.h5 file: the replicated state is in it, the per-rank state
+        is not (rank 0 says so)."""
+        super().load_own_variables(store)
+        state.note_model_file("A Keras file (.keras or .weights.h5)")
+
+
+@functools.lru_cache(maxsize=None)
+def agree_on_overflows_in_keras3():
+    """Makes Keras 3's LossScaleOptimizer.check_finite ask an hvd_compress inner optimizer, so
+    that every rank takes the same skip-or-apply decision (once per process; other inner
+    optimizers are not affected)."""
+    cls = keras3().optimizers.LossScaleOptimizer
+    local_check = cls.check_finite
+
+    @functools.wraps(local_check)
+    def check_finite(self, grads):
+        agree = getattr(self.inner_optimizer, "_hc_agree_on_finiteness", None)
+        return local_check(self, grads if agree is None else agree(list(grads)))
+
+    cls.check_finite = check_finite
 
 
 def require_legacy_keras():
     """Returns the tf_keras (Keras 2) module behind `tf.keras`, or raises RuntimeError.
 
-    hvd_compress's Keras wrappers (and Horovod's) work on tf_keras only: under
-    Keras 3, hvd.DistributedOptimizer silently stops averaging gradients.
+    For programs written against tf.keras = tf_keras, as Horovod's Keras layer
+    (horovod.tensorflow.keras) needs: set TF_USE_LEGACY_KERAS=1 before TensorFlow
+    first uses tf.keras. hvd_compress itself takes either Keras.
     """
     keras = tf.keras
     if not keras.__name__.startswith("tf_keras"):
         raise RuntimeError(
-            f"tf.keras is Keras 3 ({keras.__name__}), which hvd_compress does not support yet. "
-            "Install tf_keras==2.18.* and set TF_USE_LEGACY_KERAS=1 before TensorFlow first uses "
-            "tf.keras (importing hvd_compress before touching tf.keras does this for you).")
+            f"tf.keras is Keras 3 ({keras.__name__}), and this program uses tf_keras through tf.keras. "
+            "Set TF_USE_LEGACY_KERAS=1 before TensorFlow first uses tf.keras (with tf_keras installed), "
+            "or write the program against Keras 3 (`import keras`), which hvd_compress also supports.")
     return keras

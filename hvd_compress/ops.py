@@ -1,6 +1,6 @@
 """The compiled TensorFlow ops (tf_ops/) and thin Python wrappers around them.
 
-The library hvd_compress/_tf_ops.so is loaded once, on first use. If it is
+The library hvd_compress/_tf_ops-tf<version>.so is loaded once, on first use. If it is
 missing, cannot be loaded, or was compiled against another TensorFlow than
 the one imported, an `OpsLibraryError` says how to rebuild it.
 
@@ -16,7 +16,7 @@ import pathlib
 import numpy as np
 import tensorflow as tf
 
-LIBRARY_PATH = pathlib.Path(__file__).with_name("_tf_ops.so")
+LIBRARY_PATH = pathlib.Path(__file__).with_name(f"_tf_ops-tf{tf.__version__}.so")
 REBUILD_HINT = (
     "Rebuild it for the installed TensorFlow: from the hvd_compress checkout run "
     "`make setup` (or `pip install --no-build-isolation -e .`)."

@@ -1,7 +1,8 @@
 """hvd_compress.DistributedOptimizer: compressed gradient exchange with error feedback.
 
 A drop-in for `horovod.tensorflow.keras.DistributedOptimizer` (same keyword
-arguments) for tf_keras optimizers, in `model.fit` and in custom loops.
+arguments) for Keras 3 and tf_keras optimizers, in `model.fit` and in custom
+loops (hvd_compress/keras_compat.py: how each Keras reaches the wrapper).
 
 Layout. At the first step the trainable variables are split into
 - compressed: float tensors of at least `min_compress_size` elements, fused in
@@ -20,7 +21,7 @@ rank and world size it belongs to; a restore onto another rank or world size
 starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
 
 Keras features (docs/design.md): under a LossScaleOptimizer every rank agrees
-on whether a step overflowed (`aggregate_gradients`), and a skipped step
+on whether a step overflowed (`_hc_agree_on_finiteness`), and a skipped step
 leaves all state as it was; clipnorm/clipvalue/global_clipnorm clip each
 rank's gradient once, before error feedback; sparse gradients are densified;
 variables with a None gradient are left alone (zeros travel in their place);
@@ -61,7 +62,8 @@ import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops, state
 from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression
 from hvd_compress.compression import Compression, OneBitCompressor, StatefulCompressor
-from hvd_compress.keras_compat import require_legacy_keras
+from hvd_compress.keras_compat import (is_keras3, keras3, keras_of, loss_scale_optimizer_classes, require_legacy_keras,
+                                       sgd_classes, wrapper_class)
 from hvd_compress.sketch import SketchCompressor
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
@@ -74,13 +76,13 @@ class Layout:
     """Which variables are compressed, how they are fused into buckets, and the dense rest."""
 
     def __init__(self, variables, compression, min_compress_size, fusion_threshold_bytes):
-        self.shapes = [tuple(v.shape.as_list()) for v in variables]
+        self.shapes = [tuple(tf.TensorShape(v.shape).as_list()) for v in variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.compressed, self.dense, self.empty = [], [], []
         for i, (v, size) in enumerate(zip(variables, self.sizes)):
             if size == 0:
                 self.empty.append(i)
-            elif (compression.requires_optimizer and v.dtype.is_floating and size >= min_compress_size
+            elif (compression.requires_optimizer and tf.as_dtype(v.dtype).is_floating and size >= min_compress_size
                   and compression.compresses(self.shapes[i])):
                 self.compressed.append(i)
             else:
@@ -177,8 +179,8 @@ class GradientExchange(tf.Module):
         self.direct_update = direct_update
         # Kept as plain facts, not references: the module must not track the model's variables.
         self.variable_ids = [id(v) for v in variables]
-        self.variable_names = [v.name for v in variables]
-        self.variable_dtypes = [v.dtype for v in variables]
+        self.variable_names = [variable_name(v) for v in variables]
+        self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
         # Under Accordion every compressed tensor is its own bucket, so each layer switches alone.
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              1 if self.adaptive else self.fusion_threshold_bytes)
@@ -396,9 +398,14 @@ def check_known_variables(planned_ids, variables, owner):
     planned = set(planned_ids)
     for v in variables:
         if id(v) not in planned:
-            raise ValueError(f"{owner} planned its layout for the variables of its first step, and {v.name} "
+            raise ValueError(f"{owner} planned its layout for the variables of its first step, and {variable_name(v)} "
                              "was not among them. Use one optimizer per list of variables, and give the "
                              "first step all of them.")
+
+
+def variable_name(v):
+    """A variable's full name in either Keras (Keras 3's `name` is the layer-local one)."""
+    return getattr(v, "path", None) or v.name
 
 
 def state_dtype(dtype):
@@ -408,10 +415,9 @@ def state_dtype(dtype):
 
 
 def refuse_loss_scale_optimizer(optimizer, wrapper):
-    keras = require_legacy_keras()
-    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+    if isinstance(optimizer, loss_scale_optimizer_classes()):
         raise TypeError(f"{wrapper} cannot wrap a LossScaleOptimizer: loss scaling must see the exchanged "
-                        f"step. Wrap the other way, tf.keras.mixed_precision.LossScaleOptimizer("
+                        f"step. Wrap the other way, keras.mixed_precision.LossScaleOptimizer("
                         f"{wrapper}(optimizer)), or let model.compile() add it under a mixed_float16 policy.")
 
 
@@ -443,7 +449,8 @@ def _check_arguments(compression, two_way, op, min_compress_size, fusion_thresho
 
 
 class _DistributedOptimizerMixin:
-    """Methods mixed into a subclass of the user's optimizer class (as Horovod does)."""
+    """Methods mixed into a subclass of the user's optimizer class (as Horovod does), after the
+    entry point of its Keras (keras_compat.TfKerasEntry or Keras3Entry)."""
 
     def _hc_init(self, exchange_, backward_passes_per_step, average_aggregated_gradients):
         # Not tracked as a module: its replicated state is optimizer variables, and its per-rank
@@ -463,13 +470,11 @@ class _DistributedOptimizerMixin:
         return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
                                         self._hc_exchange.rank_state, save_type)
 
-    def aggregate_gradients(self, grads_and_vars):
-        """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees on
-        whether the step is finite (the exchange itself runs in apply_gradients)."""
-        pairs = list(grads_and_vars)
-        grads = exchange.agree_on_finiteness([g for g, _ in pairs], self._hc_exchange.process_set,
-                                             f"{self._hc_exchange.collective_name}.finite")
-        return list(zip(grads, [v for _, v in pairs]))
+    def _hc_agree_on_finiteness(self, grads):
+        """Before a LossScaleOptimizer checks for an overflow: every rank agrees on whether the
+        step is finite (the exchange itself runs in the step)."""
+        return exchange.agree_on_finiteness(grads, self._hc_exchange.process_set,
+                                            f"{self._hc_exchange.collective_name}.finite")
 
     def _clip_gradients(self, grads):
         """The wrapped optimizer's clipping, turned off where it would clip the exchanged result:
@@ -479,10 +484,9 @@ class _DistributedOptimizerMixin:
     def _hc_direct_update(self):
         """Momentum in front and lr inside (dist-EF-SGD, sketched SGD) for onebit and sketch
         under SGD."""
-        keras = require_legacy_keras()
         compression = self._hc_exchange.compression
         family = compression.high if isinstance(compression, AdaptiveCompression) else compression
-        return isinstance(family, (OneBitCompressor, SketchCompressor)) and isinstance(self, keras.optimizers.SGD)
+        return isinstance(family, (OneBitCompressor, SketchCompressor)) and isinstance(self, sgd_classes())
 
     def build(self, var_list):
         super().build(var_list)
@@ -492,12 +496,12 @@ class _DistributedOptimizerMixin:
         self._hc_exchange.build(
             list(var_list), holder=self, direct_update=self._hc_direct_update(),
             new_replicated=lambda spec: self.add_variable(
-                spec.shape, spec.dtype, initializer=lambda shape, dtype: spec.initial_value(),
+                spec.shape, dtype=spec.dtype, initializer=lambda shape, dtype: spec.initial_value(),
                 name=f"hc_{safe_name(spec.name)}"))
         if self._hc_backward_passes > 1:
             # Replicated: a variable, so AccordionBatchSize can change it between steps without a retrace.
             self._hc_passes_per_step = self.add_variable(
-                [], tf.int64, name="hc_passes_per_step",
+                [], dtype=tf.int64, name="hc_passes_per_step",
                 initializer=lambda shape, dtype: tf.fill(shape, tf.cast(self._hc_backward_passes, dtype)))
 
     def hc_replan(self):
@@ -522,20 +526,18 @@ class _DistributedOptimizerMixin:
         """Between steps: how many backward passes (micro-batches) the next steps accumulate."""
         self._hc_passes_per_step.assign(passes)
 
-    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
-        """Exchanges and applies. The gradients are exchanged whatever skip_gradients_aggregation
-        says (it is about tf.distribute, and LossScaleOptimizer sets it); variables missing from
-        grads_and_vars or with a None gradient are left alone, as Keras does."""
+    def _hc_step(self, pairs):
+        """Exchanges and applies (what the entry point of either Keras calls). Variables missing
+        from `pairs` or with a None gradient are left alone, as Keras does."""
         refuse_xla("hvd_compress.DistributedOptimizer")
-        pairs = list(grads_and_vars)
         with tf.init_scope():
             self.build([v for _, v in pairs])
         grads, variables = self._hc_exchange.arrange(pairs, "hvd_compress.DistributedOptimizer")
         if self._hc_backward_passes == 1:
-            return self._hc_apply(grads, variables, name)
-        return self._hc_apply_every_k_passes(grads, variables, name)
+            return self._hc_apply(grads, variables)
+        return self._hc_apply_every_k_passes(grads, variables)
 
-    def _hc_apply_every_k_passes(self, grads, variables, name):
+    def _hc_apply_every_k_passes(self, grads, variables):
         """Accumulates gradients locally; exchanges and applies them every k-th pass."""
         exchange_ = self._hc_exchange
         absent = [g is None for g in grads]
@@ -546,7 +548,7 @@ class _DistributedOptimizerMixin:
         def apply():
             scale = 1.0 / tf.cast(passes, tf.float32) if self._hc_average_aggregated else 1.0
             self._hc_apply([None if skip else acc * tf.cast(scale, acc.dtype)
-                            for acc, skip in zip(exchange_.accumulated, absent)], variables, name)
+                            for acc, skip in zip(exchange_.accumulated, absent)], variables)
             for acc in exchange_.accumulated:
                 acc.assign(tf.zeros_like(acc))
             exchange_.passes.assign(0)
@@ -555,13 +557,12 @@ class _DistributedOptimizerMixin:
         tf.cond(passes >= self._hc_passes_per_step, apply, lambda: tf.constant(False))
         return self.iterations
 
-    def _hc_apply(self, grads, variables, name):
+    def _hc_apply(self, grads, variables):
         """grads, variables: in the planned order, None for those left alone this step."""
-        self._compute_current_learning_rate()
         direct = self._hc_exchange.direct_update
         grads = self._hc_clip(grads)
         results = self._hc_exchange(
-            grads, learning_rate=tf.cast(self.learning_rate, tf.float32) if direct else None,
+            grads, learning_rate=tf.cast(self._hc_learning_rate(), tf.float32) if direct else None,
             momentum=float(getattr(self, "momentum", 0.0)), nesterov=bool(getattr(self, "nesterov", False)),
             step=self.iterations)
         compressed = set(self._hc_exchange.layout.compressed) if direct else set()
@@ -575,7 +576,7 @@ class _DistributedOptimizerMixin:
                 if v.constraint is not None:
                     v.assign(v.constraint(v))
         if passed_on:
-            return super().apply_gradients(passed_on, name=name, skip_gradients_aggregation=True)
+            return self._hc_wrapped_apply(passed_on)
         return self.iterations.assign_add(1)
 
     def _hc_clip(self, grads):
@@ -594,7 +595,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          process_set=hvd.global_process_set, scale_local_gradients=True,
                          two_way=True, min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
                          fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES):
-    """Wraps a tf_keras optimizer so gradients are averaged across ranks, compressed.
+    """Wraps a Keras optimizer (Keras 3, or tf_keras) so gradients are averaged across ranks,
+    compressed.
 
     Takes Horovod's keyword arguments (device_dense, device_sparse, num_groups,
     groups and scale_local_gradients are accepted for compatibility; the
@@ -609,24 +611,22 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Returns an instance of a subclass of the optimizer's class, built from its
     config (so its name and saved config are the original's).
     """
-    keras = require_legacy_keras()
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.DistributedOptimizer")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a tf_keras optimizer (tf.keras.optimizers.*), got "
-                        f"{type(optimizer).__name__}. Legacy (tf.keras.optimizers.legacy) and Keras 3 "
-                        "optimizers are not supported.")
+    keras_of(optimizer)
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
                          f"{backward_passes_per_step!r}.")
-    base = optimizer.__class__
+    if is_keras3(optimizer) and optimizer.gradient_accumulation_steps:
+        raise ValueError("gradient_accumulation_steps would accumulate after the exchange; create the "
+                         "optimizer without it and give hvd_compress.DistributedOptimizer "
+                         f"backward_passes_per_step={optimizer.gradient_accumulation_steps} instead.")
     exchange_ = GradientExchange(compression, two_way, process_set, op, gradient_predivide_factor,
                                  sparse_as_dense, min_compress_size, fusion_threshold_bytes,
-                                 name=name or f"hc.{base.__name__}")
+                                 name=name or f"hc.{type(optimizer).__name__}")
     if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
         raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
-    cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
-    wrapped = cls.from_config(optimizer.get_config())
+    wrapped = wrapper_class(optimizer, _DistributedOptimizerMixin).from_config(optimizer.get_config())
     wrapped._hc_init(exchange_, backward_passes_per_step, average_aggregated_gradients)
     return wrapped
 
@@ -675,13 +675,14 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
     """Loads a Keras model saved with model.save and wraps its optimizer in DistributedOptimizer.
 
     Like horovod.tensorflow.keras.load_model: the saved optimizer (any class in
-    tf.keras.optimizers, or one of custom_optimizers) is rebuilt as
+    keras.optimizers, or one of custom_optimizers) is rebuilt as
     hvd_compress.DistributedOptimizer(saved, compression=..., **distributed_kwargs),
     or as optimizer_wrapper(saved) when given (e.g. hvd_compress.PushSumOptimizer),
     and its saved variables are restored. Give the same settings the model was
     trained with.
 
-    A model file (h5 or SavedModel) is what rank 0 writes for every rank: it
+    A `.keras` file is loaded by Keras 3, anything else (h5, SavedModel) by tf_keras.
+    A model file is what rank 0 writes for every rank: it
     holds the model and the optimizer's replicated state (the wrapped
     optimizer's slots, PowerSGD's Q, Accordion's history), not the per-rank and
     sharded state (error-feedback residuals, worker momenta, server-residual
@@ -689,13 +690,17 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
     saying so. Per-rank checkpoints (tf.train.Checkpoint, save_weights in the
     TF format) resume exactly.
     """
-    keras = require_legacy_keras()
+    keras = keras3() if str(filepath).endswith(".keras") else require_legacy_keras()
+
+    def wrapped(cls, config):
+        if optimizer_wrapper is not None:
+            return optimizer_wrapper(cls.from_config(config))
+        return DistributedOptimizer(cls.from_config(config), compression=compression, **distributed_kwargs)
 
     def wrap(cls):
-        if optimizer_wrapper is not None:
-            return lambda **config: optimizer_wrapper(cls.from_config(config))
-        return lambda **config: DistributedOptimizer(cls.from_config(config), compression=compression,
-                                                     **distributed_kwargs)
+        if keras is keras3():  # Keras 3 wants a class with from_config
+            return type(cls.__name__, (), {"from_config": staticmethod(lambda config: wrapped(cls, config))})
+        return lambda **config: wrapped(cls, config)
 
     classes = list(keras.optimizers.Optimizer.__subclasses__()) + list(custom_optimizers or [])
     objects = {cls.__name__: wrap(cls) for cls in classes}
@@ -709,9 +714,6 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
         # not to this new one, so restore it here; the slots created at the first step are
         # filled in then (deferred restoration).
         tf.train.Checkpoint(root=model).restore(variables).expect_partial()
-    if hvd.is_initialized() and hvd.rank() == 0:
-        log.warning("hvd_compress: %s is a model file: it restored the model and the optimizer's replicated "
-                    "state; per-rank and sharded state (error-feedback residuals, worker momenta, server "
-                    "residuals, PushSum weights) is not kept in model files and starts from zero. Save "
-                    "per-rank checkpoints (tf.train.Checkpoint or save_weights) to resume exactly.", filepath)
+    if keras is not keras3():  # Keras 3 calls the optimizer's load_own_variables, which says so
+        state.note_model_file(filepath)
     return model

@@ -189,6 +189,17 @@ def check_ranks_agree(settings, rank_state, process_set, name, previous_size=Non
                     f"; rank(s) {', '.join(map(str, kept))} kept their own." if kept else ".")
 
 
+def note_model_file(source):
+    """On rank 0, one line: a model file (h5, SavedModel, .keras, Keras 3's .weights.h5) restored
+    the model and the replicated state, and per-rank and sharded state starts from zero."""
+    if hvd.is_initialized() and hvd.rank() == 0:
+        log.warning("hvd_compress: %s restored the model and the optimizer's replicated state; per-rank "
+                    "and sharded state (error-feedback residuals, worker momenta, server residuals, PushSum "
+                    "weights) is not kept in model files and starts from zero. Save per-rank checkpoints "
+                    "(tf.train.Checkpoint; tf_keras: save_weights in the TF format) to resume exactly.",
+                    source)
+
+
 def check_world(rank, size, process_set):
     """Ops for the step, before any collective: the world (this process's global rank, the
     process set's size) must still be the one planned for

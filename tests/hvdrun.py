@@ -22,6 +22,10 @@ HOROVODRUN = pathlib.Path(sys.executable).with_name("horovodrun")
 LAUNCHERS = ("gloo", "mpi")
 
 
+#: How a worker's `tf.keras` becomes each Keras, as for users: TF_USE_LEGACY_KERAS.
+KERASES = {"tf_keras": {"TF_USE_LEGACY_KERAS": "1"}, "keras3": {"TF_USE_LEGACY_KERAS": "0"}}
+
+
 def worker_env(extra=None):
     """Environment for ranks: one TF thread each (ranks share the machine's cores)."""
     env = dict(os.environ)

@@ -4,7 +4,7 @@ import pytest
 
 import hvd_compress as hc
 from hvd_compress.accordion import AdaptiveCompression, RegimeDetector, critical_regime
-from hvdrun import run_ranks
+from hvdrun import KERASES, run_ranks
 
 
 def test_a_layer_is_critical_when_its_norm_changes_by_eta_or_the_rate_drops():
@@ -66,8 +66,9 @@ def test_mpi_ranks_switch_alike():
     assert results[0]["digests"] == results[1]["digests"]
 
 
-def test_callback_decides_alike_on_every_rank_without_retracing():
-    results = run_ranks("accordion.py", "--check=fit", np=2)
+@pytest.mark.parametrize("keras", list(KERASES))
+def test_callback_decides_alike_on_every_rank_without_retracing(keras):
+    results = run_ranks("accordion.py", "--check=fit", np=2, env=KERASES[keras])
     first = results[0]
     assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
     assert first["traces"] == 1
@@ -85,7 +86,9 @@ def test_callback_decides_alike_on_every_rank_without_retracing():
         total, start, choice = total + (end - start) * per_step, end, critical
     assert logs["cumulative_bytes"][-1] == pytest.approx(total)
     assert logs["cumulative_bytes"][-1] < 5 * first["steps_per_epoch"] * first["uncompressed_bytes"] / 4
-    assert set(logs) >= {"accordion_critical/conv2d_1/kernel", "accordion_critical/dense/kernel", "bytes_per_step"}
+    assert "bytes_per_step" in logs
+    for layer in ("conv2d_1/kernel", "dense/kernel"):  # Keras 3 names them by path: sequential/dense/kernel
+        assert any(key.startswith("accordion_critical/") and key.endswith(f"/{layer}") for key in logs), layer
 
 
 def test_batch_size_variant_follows_the_linear_rule_and_switches():
@@ -115,8 +118,10 @@ def test_accordion_trains_as_well_as_static_low_compression_with_fewer_bytes():
     """examples/keras_accordion.py, PowerSGD rank 4 <-> 1 on 2 ranks, same seeds and epochs: on the
     mean of 3 seeds within 1 point (one run alone moves by about a point: 360 test images); the
     issue's 0.5 point is checked by benchmarks/accordion.py."""
-    runs = {mode: [run_ranks("accordion_digits.py", f"--mode={mode}", f"--seed={seed}", np=2, timeout=300)[0]
-                   for seed in range(3)] for mode in ("low", "accordion")}
+    seeds = range(3)
+    everything = run_ranks("accordion_digits.py", "--modes=low,accordion", f"--seeds={','.join(map(str, seeds))}",
+                           np=2, timeout=600)[0]
+    runs = {mode: [everything[f"{mode}/{seed}"] for seed in seeds] for mode in ("low", "accordion")}
     low, adaptive = (np.mean([r["test_accuracy"] for r in runs[mode]]) for mode in ("low", "accordion"))
     assert adaptive >= low - 0.01, (adaptive, low)
     for low_run, adaptive_run in zip(runs["low"], runs["accordion"]):

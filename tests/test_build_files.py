@@ -17,8 +17,9 @@ def test_bazel_build_lists_every_op_source():
 
 
 def test_setup_builds_the_library_the_package_loads():
+    import tensorflow as tf
     from hvd_compress import ops
 
-    assert ops.LIBRARY_PATH.name == "_tf_ops.so"
+    assert ops.LIBRARY_PATH.name == f"_tf_ops-tf{tf.__version__}.so"  # one per TensorFlow
     assert ops.LIBRARY_PATH.exists()
     assert '"hvd_compress._tf_ops"' in (ROOT / "setup.py").read_text()

@@ -9,19 +9,26 @@ import pytest
 from hvdrun import run_ranks
 
 
-def save_and_resume(tmp_path, save_format, compression):
-    """Each rank's results of the uninterrupted run and of the run resumed halfway (2 ranks)."""
-    flags = [f"--format={save_format}", f"--compression={compression}", f"--work_dir={tmp_path}"]
-    return (run_ranks("checkpoint.py", "--phase=full", *flags, np=2),
-            run_ranks("checkpoint.py", "--phase=resume", *flags, np=2))
+CHECKPOINTS = ["checkpoint/onebit", "weights/onebit", "checkpoint/randomk", "checkpoint/sketch", "checkpoint/sgp",
+               "weights/powersgd"]
+MODEL_FILES = ["h5/powersgd", "savedmodel/sgp"]  # every method, both formats, rank 0's file: test_conventions.py
 
 
-@pytest.mark.parametrize("save_format, compression", [
-    ("checkpoint", "onebit"), ("weights", "onebit"), ("checkpoint", "randomk"), ("checkpoint", "sketch"),
-    ("checkpoint", "sgp"), ("weights", "powersgd"),
-])
-def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, save_format, compression):
-    full, resumed = save_and_resume(tmp_path, save_format, compression)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each rank's results of the uninterrupted run and of the run resumed halfway, per case (2
+    ranks; every case in one launch per phase). The first case's model is exported too."""
+    work = tmp_path_factory.mktemp("checkpoints")
+    flags = [f"--cases={','.join(CHECKPOINTS + MODEL_FILES)}", f"--work_dir={work}",
+             f"--export_dir={work / 'export'}"]
+    full = run_ranks("checkpoint.py", "--phase=full", *flags, np=2, timeout=600)
+    resumed = run_ranks("checkpoint.py", "--phase=resume", *flags, np=2, timeout=600)
+    return full, resumed, work / "export"
+
+
+@pytest.mark.parametrize("case", CHECKPOINTS)
+def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(runs, case):
+    full, resumed = ([rank[case] for rank in phase] for phase in runs[:2])
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["num_optimizer_variables"] == before["num_optimizer_variables"]
@@ -32,21 +39,19 @@ def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, save_f
     assert full[0]["residual_norm"] > 0
 
 
-@pytest.mark.parametrize("save_format, compression", [("h5", "powersgd"), ("savedmodel", "sgp")])
-# (every method and both model formats, written by rank 0: tests/test_conventions.py)
-def test_a_model_file_resumes_the_model_and_replicated_state(tmp_path, save_format, compression):
-    full, resumed = save_and_resume(tmp_path, save_format, compression)
+@pytest.mark.parametrize("case", MODEL_FILES)
+def test_a_model_file_resumes_the_model_and_replicated_state(runs, case):
+    full, resumed = ([rank[case] for rank in phase] for phase in runs[:2])
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["at_restore"]["model"] == before["at_save"]["model"]
         assert after["at_restore"]["replicated"] == before["at_save"]["replicated"]
         assert after["at_restore"]["rank_state"] == after["at_restore"]["fresh_rank_state"]
-    assert resumed[0]["at_end"]["model"] == resumed[1]["at_end"]["model"] or compression == "sgp"
+    assert resumed[0]["at_end"]["model"] == resumed[1]["at_end"]["model"] or case.endswith("sgp")
 
 
-def test_exported_savedmodel_predicts_without_horovod_or_hvd_compress(tmp_path):
-    export = tmp_path / "export"
-    run_ranks("checkpoint.py", "--phase=full", f"--work_dir={tmp_path}", f"--export_dir={export}", np=2)
+def test_exported_savedmodel_predicts_without_horovod_or_hvd_compress(runs, tmp_path):
+    export = runs[2]
     code = f"""
 import sys, numpy as np, tensorflow as tf
 loaded = tf.saved_model.load({str(export)!r})

@@ -96,12 +96,13 @@ def test_keras_3_is_refused_with_instructions():
     assert "Keras 3" in result.stderr and "TF_USE_LEGACY_KERAS=1" in result.stderr
 
 
-def test_importing_the_package_selects_keras_2_for_the_user():
+@pytest.mark.parametrize("legacy, expected", [(None, "keras"), ("1", "tf_keras")])
+def test_importing_the_package_leaves_the_choice_of_keras_to_the_user(legacy, expected):
+    """No TF_USE_LEGACY_KERAS: tf.keras stays Keras 3; TF_USE_LEGACY_KERAS=1: tf_keras."""
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    code = ("import os; os.environ.pop('TF_USE_LEGACY_KERAS', None)\n"  # undo the venv's .pth
-            "import tensorflow as tf, hvd_compress; print(tf.keras.__name__); "
-            "hvd_compress.require_legacy_keras()")
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "3", **({"TF_USE_LEGACY_KERAS": legacy} if legacy else {})})
+    code = ("import os, hvd_compress, tensorflow as tf\n"
+            "print(tf.keras.__name__.split('.')[0], os.environ.get('TF_USE_LEGACY_KERAS'))")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().startswith("tf_keras")
+    assert result.stdout.split() == [expected, str(legacy)]

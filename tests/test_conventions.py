@@ -8,16 +8,17 @@ docs/design.md, "State scopes"."""
 import pytest
 
 from hvd_compress.exchange import shard_cuts
-from hvdrun import run_elastic, run_ranks
+from hvdrun import KERASES, run_elastic, run_ranks
 
 METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
 FORMATS = ["h5", "savedmodel", "weights", "checkpoint"]
 EPOCHS = 8
+KERAS3_METHODS = ["onebit", "topk", "powersgd", "sgp"]  # sharded, per-rank, replicated Q, PushSum
 
 
-@pytest.mark.parametrize("ranks", [3, 5])
-def test_horovod_broadcasts_never_overwrite_per_rank_state(ranks):
-    results = run_ranks("broadcast.py", np=ranks, timeout=480)
+@pytest.mark.parametrize("ranks, keras", [(3, "tf_keras"), (5, "tf_keras"), (3, "keras3")])
+def test_horovod_broadcasts_never_overwrite_per_rank_state(ranks, keras):
+    results = run_ranks("broadcast.py", np=ranks, timeout=480, env=KERASES[keras])
     for rank, result in enumerate(results):
         for method in METHODS:
             got = result["results"][method]
@@ -44,16 +45,18 @@ def resume(work, ranks, *flags):
                      *flags, np=ranks, timeout=900)
 
 
-def check_restored_on_every_rank(resumed, uninterrupted, methods, formats, same_world=True):
+def check_restored_on_every_rank(resumed, uninterrupted, methods, formats, same_world=True, keras="tf_keras"):
     """The per-rank state each rank holds right after restoring rank 0's file is its own (a
     checkpoint, at the world size it was written at) or fresh (anything else); rank 0 says so in
-    one line, nobody else logs; training goes on with identical ranks to the same accuracy."""
+    one line, nobody else logs; training goes on with identical ranks to the same accuracy. Per-rank
+    state is in tf.train.Checkpoint, and in tf_keras's save_weights (TF format) too."""
+    checkpoints = {"tf_keras": ("weights", "checkpoint"), "keras3": ("checkpoint",)}[keras]
     for method in methods:
         for fmt in formats:
             key = f"{method}/{fmt}"
             for rank, result in enumerate(resumed):
                 got = result["results"][key]
-                own = same_world and rank == 0 and fmt in ("weights", "checkpoint")
+                own = same_world and rank == 0 and fmt in checkpoints
                 assert got["kept_own"] == own and got["reset"] == (not own), (key, rank, got)
                 assert len(got["logged"]) == (1 if rank == 0 else 0), (key, rank, got["logged"])
                 if method != "sgp":
@@ -66,6 +69,16 @@ def check_restored_on_every_rank(resumed, uninterrupted, methods, formats, same_
 def test_a_rank0_checkpoint_restores_on_every_rank_in_every_format(uninterrupted):
     work, full = uninterrupted
     check_restored_on_every_rank(resume(work, 2), full, METHODS, FORMATS)
+
+
+def test_keras3_files_restore_on_every_rank(tmp_path):
+    """Keras 3: ModelCheckpoint's .keras and .weights.h5 files and tf.train.Checkpoint, written by
+    rank 0, restored on both ranks (hc.load_model for .keras)."""
+    flags = [f"--work_dir={tmp_path}", f"--epochs={EPOCHS}", f"--methods={','.join(KERAS3_METHODS)}"]
+    full = run_ranks("rank0_checkpoint.py", "--phase=full", *flags, np=2, timeout=600, env=KERASES["keras3"])
+    resumed = run_ranks("rank0_checkpoint.py", "--phase=resume", *flags, np=2, timeout=600, env=KERASES["keras3"])
+    check_restored_on_every_rank(resumed, full[0]["results"], KERAS3_METHODS, ["keras", "weights", "checkpoint"],
+                                 keras="keras3")
 
 
 def test_a_restore_that_gives_a_rank_another_ranks_state_is_caught(uninterrupted):
@@ -94,9 +107,10 @@ def test_three_ranks_resume_on_two(tmp_path):
                                  same_world=False)
 
 
-def test_elastic_training_replans_when_the_world_shrinks_and_grows():
+@pytest.mark.parametrize("keras", list(KERASES))
+def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras):
     """3 ranks, 2 after epoch 2, 3 again after epoch 5 (hc.elastic.KerasState, Horovod's callbacks)."""
-    results = run_elastic("elastic.py", "--epochs=8", "--shrink_at=2", "--grow_at=5", np=3)
+    results = run_elastic("elastic.py", "--epochs=8", "--shrink_at=2", "--grow_at=5", np=3, env=KERASES[keras])
     assert len({r["weights"] for r in results}) == 1  # identical ranks at the end (and after every batch)
     survivors, newcomer = results[:2], results[2]
     for rank, result in enumerate(survivors):
@@ -120,8 +134,9 @@ def test_elastic_training_replans_when_the_world_shrinks_and_grows():
 
 
 @pytest.mark.parametrize("ranks, flags", [
-    (4, ["--variants=two_way,two_way_blocks,one_way"]),  # world sizes 1, 2, 3, 4 in one launch
-    (7, ["--world_sizes=7", "--variants=two_way"]),
+    # World sizes 3 and 4 in one launch (1, 2 and 3 of 4 ranks: update rules in test_optimizer.py).
+    (4, ["--world_sizes=3,4", "--variants=two_way,two_way_blocks,one_way"]),
+    (7, ["--world_sizes=7", "--variants=two_way", "--sizes=1,5,9,23,1031"]),  # 7 ranks share 2 cores here
 ])
 def test_tiny_buckets_and_empty_shards_match_the_numpy_reference(ranks, flags):
     results = run_ranks("tiny_buckets.py", *flags, np=ranks, timeout=420)

@@ -32,7 +32,7 @@ def test_average_every_h_steps_is_exact_consensus(flags):
         np.testing.assert_allclose(r["mass"], 3, rtol=1e-6)
 
 
-@pytest.mark.parametrize("np_", [2, 3, 4])
+@pytest.mark.parametrize("np_", [2, 3])  # 3: peers 1 and 2 in turn, as at 4 (gossip at 4 ranks: above)
 def test_sgp_trains_next_to_allreduce_sgd(np_):
     baseline = run_ranks("train_digits.py", "--compression=none", "--epochs=16", np=np_)[0]
     results = run_ranks("train_gossip.py", "--epochs=16", np=np_)

@@ -1,27 +1,32 @@
-"""Ordinary tf_keras features under horovodrun (2 ranks), with every method: mixed precision
-(compile()'s LossScaleOptimizer and an explicit one), bfloat16 and float16, Embeddings, layers
-without gradients, clipping, jit_compile. See docs/design.md, "Keras features"."""
+"""Ordinary Keras features under horovodrun (2 ranks), with every method, in tf_keras and in Keras
+3: mixed precision (compile()'s LossScaleOptimizer and an explicit one), bfloat16 and float16,
+Embeddings, layers without gradients, clipping, jit_compile. See docs/design.md, "Keras features"."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from hvdrun import HOROVODRUN, TESTS, run_ranks, worker_env
+from hvdrun import HOROVODRUN, KERASES, TESTS, run_ranks, worker_env
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]  # as in workers/keras_features.py
 METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
 
 
+@pytest.fixture(scope="module", params=list(KERASES))
+def keras(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def matrix():
-    ranks = run_ranks("keras_features.py", "--case=matrix", np=2, timeout=900)
+def matrix(keras):
+    ranks = run_ranks("keras_features.py", "--case=matrix", np=2, timeout=900, env=KERASES[keras])
     return [r["results"] for r in ranks]
 
 
 @pytest.mark.parametrize("row", ROWS)
-def test_every_method_trains_with_the_feature(matrix, row):
+def test_every_method_trains_with_the_feature(keras, matrix, row):
     """Every row: ranks identical after every step (SGP: after consensus), the loss falls, every
     piece of state is finite. And each row's own expectation, below."""
     for method in METHODS:
@@ -33,7 +38,7 @@ def test_every_method_trains_with_the_feature(matrix, row):
             assert got["steps_checked"] == (0 if method == "sgp" else 18), (key, rank)
         first, second = matrix[0][key], matrix[1][key]
         if row in ("mixed_float16", "explicit_loss_scale"):  # compile() or the user added loss scaling
-            assert first["optimizer"] == "LossScaleOptimizerV3"
+            assert first["optimizer"] == {"tf_keras": "LossScaleOptimizerV3", "keras3": "LossScaleOptimizer"}[keras]
             assert first["loss_scale"] == second["loss_scale"]
         if row in ("float16_variables", "bfloat16_variables"):  # state in float32, updates in their dtype
             assert first["variable_dtypes"] == [row.split("_")[0]]
@@ -43,26 +48,28 @@ def test_every_method_trains_with_the_feature(matrix, row):
             assert first["bytes_per_step"] < first["uncompressed_bytes_per_step"] / 2
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
-    """mixed_float16; one sample of rank 1 has an infinite weight at one batch."""
-    ranks = run_ranks("keras_features.py", "--case=overflow", np=2, timeout=600)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras):
+    """mixed_float16; one sample of rank 1 has an infinite weight at one batch. The skipped step
+    counts in the wrapped optimizer's iterations in tf_keras, not in Keras 3 (each Keras's way)."""
+    ranks = run_ranks("keras_features.py", "--case=overflow", np=2, timeout=600, env=KERASES[keras])
+    counted = {"tf_keras": 1, "keras3": 0}[keras]
     for method in METHODS:
         per_rank = [r["results"][method] for r in ranks]
         for got in per_rank:
             assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
             assert got["after"]["state"] == got["before"]["state"], method  # and left every piece of state
             assert got["after"]["loss_scale"] == got["before"]["loss_scale"] / 2, method
-            assert got["after"]["iterations"] == got["before"]["iterations"] + 1, method
+            assert got["after"]["iterations"] == got["before"]["iterations"] + counted, method
             assert got["identical"], method
         assert per_rank[0]["after"]["loss_scale"] == per_rank[1]["after"]["loss_scale"]
 
 
-def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass():
+def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras):
     """A constant gradient of norm about 65, clipnorm=1 (or global_clipnorm=1), 300 steps: each method moves
     the weights exactly as when fed the gradient clipped by hand, and as far as the uncompressed
     exchange within 10%. Sketched SGD's recovery moves far less on this gradient (a known gap of the
     heavy-hitter recovery, planned separately), so it is held to the first test only."""
-    results = run_ranks("keras_features.py", "--case=clipping", np=2, timeout=600)[0]["results"]
+    results = run_ranks("keras_features.py", "--case=clipping", np=2, timeout=600, env=KERASES[keras])[0]["results"]
     for clip in ("clipnorm", "global_clipnorm"):
         uncompressed = results[f"{clip}/none"]["clipped"]
         for method in ["none"] + [m for m in METHODS if m != "sgp"]:
@@ -73,12 +80,23 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
                 assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
 
 
-def test_jit_compile_fails_at_the_first_step_with_the_fix(tmp_path):
+def test_metric_average_callback_averages_the_logs_over_the_ranks(keras):
+    """hc.callbacks.MetricAverageCallback, in either Keras (Horovod's fails under Keras 3)."""
+    local, averaged = zip(*((r["results"]["local"], r["results"]["averaged"]) for r in run_ranks(
+        "keras_features.py", "--case=metrics", np=2, timeout=300, env=KERASES[keras])))
+    assert local[0] != local[1]  # different data, different metrics
+    for epoch in range(2):
+        for key in ("loss", "accuracy"):
+            mean = (local[0][epoch][key] + local[1][epoch][key]) / 2
+            assert averaged[0][epoch][key] == averaged[1][epoch][key] == pytest.approx(mean, rel=1e-6), key
+
+
+def test_jit_compile_fails_at_the_first_step_with_the_fix(keras, tmp_path):
     code = """
 import hvd_compress as hc, numpy as np, tensorflow as tf
-import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd
 hvd.init()
-keras = hc.require_legacy_keras()
+keras = tf.keras
 model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
 model.compile(optimizer=hc.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
 try:
@@ -87,23 +105,25 @@ except ValueError as e:
     print("refused:", e)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                            env=worker_env(), cwd=tmp_path)
+                            env=worker_env(KERASES[keras]), cwd=tmp_path)
     assert "refused:" in result.stdout and "jit_compile=False" in result.stdout, result.stderr[-3000:]
 
 
 def test_wrapping_a_loss_scale_optimizer_names_the_order_that_works():
+    import keras as keras3
+    import tf_keras
+
     import hvd_compress as hc
-    keras = hc.require_legacy_keras()
-    inner = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
-    for wrapper in (hc.DistributedOptimizer, hc.PushSumOptimizer):
-        with pytest.raises(TypeError, match=r"LossScaleOptimizer\(hvd_compress"):
-            wrapper(inner)
+    for inner in (tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1)),
+                  keras3.mixed_precision.LossScaleOptimizer(keras3.optimizers.SGD(0.1))):
+        for wrapper in (hc.DistributedOptimizer, hc.PushSumOptimizer):
+            with pytest.raises(TypeError, match=r"LossScaleOptimizer\(hvd_compress"):
+                wrapper(inner)
 
 
-@pytest.mark.xfail(reason="onebit ends 0.8-1.5 points below Horovod fp16 after 4 epochs (0.455 vs 0.463, "
-                          "0.446 vs 0.461): the model is still far from converged; open")
 def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horovod_fp16(tmp_path):
-    """examples/keras_text.py, 2 ranks, mixed_float16: onebit two-way next to Horovod's fp16."""
+    """examples/keras_text.py, 2 ranks, mixed_float16: onebit two-way next to Horovod's fp16 (seed 0;
+    over seeds 0-2 onebit ended 0.2 points above to 0.2 below, README "Measured")."""
     results = {}
     for method in ("horovod_fp16", "onebit"):
         out = tmp_path / f"{method}.json"

@@ -1,16 +1,19 @@
 """hc.DistributedOptimizer under horovodrun: update rules, identical ranks, convergence, bad input."""
 import pytest
 
-from hvdrun import run_ranks
+from hvdrun import KERASES, run_ranks
 
 EPOCHS = 16
 
 
-@pytest.mark.parametrize("launcher, np", [("gloo", 2), ("gloo", 3), ("gloo", 4), ("mpi", 2)])
-def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, np):
-    """onebit two-way (Nesterov, blocks), one-way, top-k and random-k, over 6 graph-mode steps
-    with a learning-rate drop, equal the NumPy reference; all ranks end bit-identical."""
-    results = run_ranks("update_rule.py", np=np, launcher=launcher)
+@pytest.mark.parametrize("launcher, np, keras", [("gloo", 2, "tf_keras"), ("gloo", 3, "tf_keras"),
+                                                ("gloo", 4, "tf_keras"), ("mpi", 2, "tf_keras"),
+                                                ("gloo", 3, "keras3"), ("mpi", 2, "keras3")])
+def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, np, keras):
+    """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch and the tape,
+    over 6 graph-mode steps with a learning-rate drop, in either Keras, equal the NumPy
+    reference; all ranks end bit-identical."""
+    results = run_ranks("update_rule.py", np=np, launcher=launcher, env=KERASES[keras])
     assert all(r["digests"] == results[0]["digests"] for r in results)
 
 

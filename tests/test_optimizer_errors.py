@@ -31,8 +31,14 @@ def test_bad_arguments_are_refused_before_training(kwargs, error, match):
 
 
 def test_legacy_optimizers_are_refused():
-    with pytest.raises(TypeError, match="tf_keras optimizer"):
+    with pytest.raises(TypeError, match=r"Keras optimizer .* Legacy optimizers .* are not supported"):
         hc.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1))
+
+
+def test_keras3_gradient_accumulation_is_refused_with_the_fix():
+    import keras as keras3
+    with pytest.raises(ValueError, match="backward_passes_per_step=4"):
+        hc.DistributedOptimizer(keras3.optimizers.SGD(0.1, gradient_accumulation_steps=4))
 
 
 def test_k_larger_than_the_tensor_is_refused_at_the_first_step():

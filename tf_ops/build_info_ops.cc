@@ -5,6 +5,12 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/public/version.h"
 
+// setup.py passes the installed TensorFlow's version: from TF 2.19 on, the pip headers no longer
+// define TF_VERSION_STRING (release_version.h expects the version from TensorFlow's own build).
+#ifndef HVD_COMPRESS_TF_VERSION
+#define HVD_COMPRESS_TF_VERSION TF_VERSION_STRING
+#endif
+
 namespace hvd_compress {
 
 REGISTER_OP("HvdCompressBuildInfo")
@@ -17,7 +23,7 @@ class BuildInfoOp : public tensorflow::OpKernel {
   void Compute(tensorflow::OpKernelContext* ctx) override {
     tensorflow::Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, {}, &out));
-    out->scalar<tensorflow::tstring>()() = TF_VERSION_STRING;
+    out->scalar<tensorflow::tstring>()() = HVD_COMPRESS_TF_VERSION;
   }
 };
 

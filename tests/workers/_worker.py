@@ -13,6 +13,17 @@ flags.DEFINE_string("out_dir", None, "Where each rank writes rank<N>.json.")
 FLAGS = flags.FLAGS
 
 
+def keras_and_broadcast():
+    """The Keras `tf.keras` is (TF_USE_LEGACY_KERAS decides, as for users), and the callback that
+    broadcasts rank 0's initial state which its users add: Horovod's own for tf_keras,
+    hvd_compress's under Keras 3 (where Horovod's fails)."""
+    if tf.keras.__name__.startswith("tf_keras"):
+        import horovod.tensorflow.keras as hvd_keras
+        return tf.keras, hvd_keras.callbacks.BroadcastGlobalVariablesCallback
+    import hvd_compress as hc
+    return tf.keras, hc.callbacks.BroadcastGlobalVariablesCallback
+
+
 def report(hvd, **result):
     """Writes this rank's result for tests/hvdrun.run_ranks."""
     path = pathlib.Path(FLAGS.out_dir) / f"rank{hvd.rank()}.json"

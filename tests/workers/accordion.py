@@ -30,7 +30,7 @@ def digest(arrays):
 
 def run_switching(low, high, nesterov=True):
     """update_rule's two variables trained with the choice of each step forced by SCHEDULE."""
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     w = tf.Variable(np.zeros(rule.SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(rule.DENSE, np.float32), name="b")
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay(rule.BOUNDARIES, rule.RATES)
@@ -114,21 +114,34 @@ def fixed_batches(batch_size):
 
 
 def compiled_cnn(compression=hc.Compression.none, lr=0.1):
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     tf.keras.utils.set_random_seed(0)
     model = digits.cnn(keras, seed=0)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9, nesterov=True), compression=compression)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    count_traces(opt)
     return model, opt
 
 
+def count_traces(opt):
+    """Counts in opt.traces how often the step is traced (its Python runs only then), in either
+    Keras (Keras 3's train_function is no tf.function to ask)."""
+    step, opt.traces = opt._hc_step, 0
+
+    def counted(pairs):
+        opt.traces += 1
+        return step(pairs)
+
+    opt._hc_step = counted
+
+
 def lr_drop_at(epoch, lr=0.1):
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     return keras.callbacks.LearningRateScheduler(lambda e: lr * (0.1 if e >= epoch else 1.0))
 
 
 def check_fit():
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     train, steps = fixed_batches(32)
     model, opt = compiled_cnn()
     accordion = hc.callbacks.Accordion(low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1),
@@ -138,7 +151,7 @@ def check_fit():
     exchange = opt.compression_exchange
     bytes_by_setting = [[ex.bytes_sent for ex in alternatives] for alternatives in exchange.alternatives]
     report(hvd, model=digest(model.get_weights()), decisions=accordion.decisions,
-           traces=model.train_function.experimental_get_tracing_count(),
+           traces=opt.traces,
            logs={key: [float(v) for v in values] for key, values in history.history.items()},
            bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
            steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
@@ -147,7 +160,7 @@ def check_fit():
 def check_batch():
     """AccordionBatchSize: k accumulated batches of 8 = one batch of 8k at k times the rate, and
     the callback switches the number of passes in model.fit."""
-    keras = hc.require_legacy_keras()
+    keras = tf.keras
     (x, y), _ = digits.load(0)
     x, y = x[hvd.rank()::hvd.size()][:256], y[hvd.rank()::hvd.size()][:256]
     small, large = hc.callbacks.AccordionBatchSize(8, 32, verbose=0), None
@@ -168,7 +181,7 @@ def check_batch():
     history = model.fit(train, epochs=6, callbacks=[lr_drop_at(5, 0.02), callback], verbose=0)
     report(hvd, model=digest(model.get_weights()), decisions=callback.decisions,
            iterations=int(opt.iterations.numpy()), steps_per_epoch=steps,
-           traces=model.train_function.experimental_get_tracing_count(),
+           traces=opt.traces,
            logs={key: [float(v) for v in values] for key, values in history.history.items()})
 
 
@@ -182,7 +195,7 @@ def check_checkpoint():
     accordion = hc.callbacks.Accordion(low=hc.Compression.none, high=hc.Compression.onebit(), verbose=0)
     callbacks = [lr_drop_at(3), accordion]
     if FLAGS.phase == "full":
-        keras = hc.require_legacy_keras()
+        keras = tf.keras
         callbacks.append(keras.callbacks.LambdaCallback(
             on_epoch_end=lambda epoch, logs: checkpoint.save(str(work / "ckpt")) if epoch == 2 else None))
         first = 0

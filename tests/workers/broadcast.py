@@ -1,11 +1,13 @@
 """Horovod's broadcasts with every method, as users write them, at any number of ranks.
 
-For each method: model.fit with hvd.callbacks.BroadcastGlobalVariablesCallback(0) (which broadcasts
-model.variables and optimizer.variables() after the first batch) and the same run without it;
+For each method: model.fit with the broadcast callback users of this Keras add (Horovod's
+BroadcastGlobalVariablesCallback(0) in tf_keras, which broadcasts model.variables and
+optimizer.variables() after the first batch; hvd_compress's in Keras 3, which broadcasts them
+before the first step) and the same run without it;
 after every batch all ranks must hold identical weights (SGP: its own check below), and the
 per-rank state after step 2 must equal the run without the callback. Then
 hvd.broadcast_variables(model.variables, 0) and hvd.broadcast_variables(opt.variables(), 0)
-by hand must leave the per-rank state as it was, and training goes on.
+by hand (Keras 3: their tf.Variables) must leave the per-rank state as it was, and training goes on.
 """
 import hashlib
 
@@ -13,10 +15,9 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-import horovod.tensorflow as hvd_tf
-import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import report, weights_digest
+from _worker import keras_and_broadcast, report, weights_digest
 
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods to run.")
 FLAGS = flags.FLAGS
@@ -59,7 +60,7 @@ class Watch(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.method != "sgp":
-            digests = hvd_tf.allgather_object(weights_digest(self.model), name="watch.weights")
+            digests = hvd.allgather_object(weights_digest(self.model), name="watch.weights")
             assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch}"
             self.checked += 1
         if batch == 1:
@@ -67,7 +68,7 @@ class Watch(tf.keras.callbacks.Callback):
 
 
 def train(method, broadcast_callback):
-    keras = hc.require_legacy_keras()
+    keras, broadcast = keras_and_broadcast()
     tf.keras.utils.set_random_seed(0)  # the same initial weights on every rank
     model = keras.Sequential([keras.layers.Input((29,)), keras.layers.Dense(37, activation="relu"),
                               keras.layers.Dense(23, activation="relu"), keras.layers.Dense(5)])
@@ -77,7 +78,7 @@ def train(method, broadcast_callback):
     x = rng.standard_normal((STEPS * BATCH, 29)).astype(np.float32)
     y = rng.integers(0, 5, STEPS * BATCH)
     watch = Watch(method)
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)] if broadcast_callback else []
+    callbacks = [broadcast(0)] if broadcast_callback else []
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks + [watch])
     return model, opt, x, y, watch
 
@@ -90,14 +91,15 @@ def main(_):
         model, opt, x, y, watch = train(method, broadcast_callback=True)
         state = rank_state(opt)
         before = digest(v.numpy() for v in state.variables.values())
-        hvd_tf.broadcast_variables(model.variables, root_rank=0)
-        hvd_tf.broadcast_variables(opt.variables(), root_rank=0)
+        opt_variables = opt.variables() if callable(opt.variables) else opt.variables  # tf_keras, Keras 3
+        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in model.variables], root_rank=0)
+        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in opt_variables], root_rank=0)
         after = digest(v.numpy() for v in state.variables.values())
-        everyone = hvd_tf.allgather_object(before, name="states")
+        everyone = hvd.allgather_object(before, name="states")
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Watch(method)])
         weights = [w for w in model.get_weights()]
         if method == "sgp":  # PushSum keeps sum_i (w_i + weight in flight to i) = n
-            mass = hvd_tf.allreduce(opt.pushsum.weight + opt.pushsum.in_flight[-1], op=hvd_tf.Sum, name="mass")
+            mass = hvd.allreduce(opt.pushsum.weight + opt.pushsum.in_flight[-1], op=hvd.Sum, name="mass")
             results["sgp_mass"] = float(mass.numpy())
         results[method] = dict(
             state_with_callback=watch.state_after_step_2, state_without=without.state_after_step_2,

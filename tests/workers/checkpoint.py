@@ -1,5 +1,6 @@
 """Per-rank checkpoints. Phase `full` trains 2S steps, each rank saving its own file at step S;
-phase `resume` (a new process) restores step S and trains to 2S. Each rank reports the model,
+phase `resume` (a new process) restores step S and trains to 2S; both run every case of --cases
+(format/compression) in turn, in one process. Each rank reports the model,
 the replicated state (optimizer.variables()) and the per-rank state when saved, when restored
 and at the end: a checkpoint (tf.train.Checkpoint, save_weights) resumes all of it bit for bit;
 a model file (h5, SavedModel) holds the model and replicated state only."""
@@ -17,10 +18,10 @@ from _worker import report
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
-flags.DEFINE_enum("format", "checkpoint", ["checkpoint", "weights", "savedmodel", "h5"], "How to save.")
-flags.DEFINE_string("compression", "onebit", "onebit, topk, randomk, sketch, or sgp (PushSumOptimizer).")
+flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. Formats: checkpoint, weights, "
+                  "savedmodel, h5; compressions: onebit, topk, randomk, sketch, powersgd, or sgp (PushSumOptimizer).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
-flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the trained model here (model.save).")
+flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
 FLAGS = flags.FLAGS
 STEPS, BATCH = 12, 32
 
@@ -32,16 +33,16 @@ def batch(step, x, y):
     return x[rows], y[rows]
 
 
-def new_model_and_optimizer(keras):
+def new_model_and_optimizer(keras, method):
     compression = {"onebit": hc.Compression.onebit(block_size=512),
                    "topk": hc.Compression.topk(ratio=0.02),
                    "randomk": hc.Compression.randomk(ratio=0.05),
                    "sketch": hc.Compression.sketch(ratio=4), "powersgd": hc.Compression.powersgd(rank=2),
-                   "sgp": None}[FLAGS.compression]
+                   "sgp": None}[method]
     model = digits.cnn(keras, seed=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
     sgd = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
-    if FLAGS.compression == "sgp":  # overlap, so the mass in flight must be restored too
+    if method == "sgp":  # overlap, so the mass in flight must be restored too
         opt = hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
     else:
         opt = hc.DistributedOptimizer(sgd, compression=compression)
@@ -56,33 +57,30 @@ def digest(variables):
 def states(model, opt):
     """Digests of the model, the replicated state and the per-rank state (and what fresh per-rank
     state would be)."""
-    rank_state = (opt.pushsum if FLAGS.compression == "sgp" else opt.compression_exchange).rank_state
+    rank_state = (opt.pushsum if hasattr(opt, "pushsum") else opt.compression_exchange).rank_state
     return dict(model=digest(model.get_weights()), replicated=digest(opt.variables),
                 rank_state=digest(v.numpy() for v in rank_state.variables.values()),
                 fresh_rank_state=digest(s.initial_value().numpy() for s in rank_state.specs.values()))
 
 
-def main(_):
-    keras = hc.require_legacy_keras()
-    hvd.init()
-    (x, y), _ = digits.load(0)
-    work = pathlib.Path(FLAGS.work_dir) / f"rank{hvd.rank()}"
-    path = str(work / {"h5": "model.h5", "weights": "weights"}.get(FLAGS.format, "saved"))
-    model_file = FLAGS.format in ("h5", "savedmodel")
+def run_case(keras, x, y, save_format, method, work, export_dir):
+    """Trains one case's phase; its results."""
+    path = str(work / {"h5": "model.h5", "weights": "weights"}.get(save_format, "saved"))
+    model_file = save_format in ("h5", "savedmodel")
     if FLAGS.phase == "full" or not model_file:
-        model, opt, compression = new_model_and_optimizer(keras)
+        model, opt, _ = new_model_and_optimizer(keras, method)
     first, at_save, at_restore = 0, None, None
     if FLAGS.phase == "resume":
-        if FLAGS.format == "checkpoint":
+        if save_format == "checkpoint":
             latest = tf.train.latest_checkpoint(str(work))
             tf.train.Checkpoint(model=model, optimizer=opt).restore(latest).assert_existing_objects_matched()
-        elif FLAGS.format == "weights":
+        elif save_format == "weights":
             model.load_weights(path)
-        elif FLAGS.compression == "sgp":
+        elif method == "sgp":
             model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(
                 sgd, graph="exponential2", overlap=True))
         else:
-            model = hc.load_model(path, compression=new_model_and_optimizer(keras)[2])
+            model = hc.load_model(path, compression=new_model_and_optimizer(keras, method)[2])
         opt = model.optimizer
         opt.build(model.trainable_variables)  # deferred restores happen here, as at a first step
         at_restore, first = states(model, opt), STEPS
@@ -90,23 +88,35 @@ def main(_):
     for step in range(first, 2 * STEPS):
         if step == STEPS and FLAGS.phase == "full":
             work.mkdir(parents=True, exist_ok=True)
-            if FLAGS.format == "checkpoint":
+            if save_format == "checkpoint":
                 tf.train.Checkpoint(model=model, optimizer=opt).save(str(work / "ckpt"))
-            elif FLAGS.format == "weights":
+            elif save_format == "weights":
                 model.save_weights(path)
             else:
                 model.save(path)
             at_save = states(model, opt)
         model.train_on_batch(*batch(step, x, y))
 
-    if FLAGS.export_dir and hvd.rank() == 0:
-        model.save(FLAGS.export_dir)
-        np.save(pathlib.Path(FLAGS.export_dir) / "inputs.npy", x[:16])
-        np.save(pathlib.Path(FLAGS.export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
-    report(hvd, at_save=at_save, at_restore=at_restore, at_end=states(model, opt),
-           num_optimizer_variables=len(opt.variables), iterations=int(opt.iterations.numpy()),
-           residual_norm=float(opt.compression_exchange.residual_norm() if FLAGS.compression != "sgp"
-                               else opt.pushsum.in_flight[-1]))
+    if export_dir and hvd.rank() == 0:
+        model.save(export_dir)
+        np.save(pathlib.Path(export_dir) / "inputs.npy", x[:16])
+        np.save(pathlib.Path(export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
+    return dict(at_save=at_save, at_restore=at_restore, at_end=states(model, opt),
+                num_optimizer_variables=len(opt.variables), iterations=int(opt.iterations.numpy()),
+                residual_norm=float(opt.compression_exchange.residual_norm() if method != "sgp"
+                                    else opt.pushsum.in_flight[-1]))
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    (x, y), _ = digits.load(0)
+    results = {}
+    for i, case in enumerate(FLAGS.cases):
+        save_format, method = case.split("/")
+        work = pathlib.Path(FLAGS.work_dir) / case.replace("/", "-") / f"rank{hvd.rank()}"
+        results[case] = run_case(keras, x, y, save_format, method, work, FLAGS.export_dir if i == 0 else None)
+    report(hvd, **results)
 
 
 if __name__ == "__main__":

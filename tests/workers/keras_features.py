@@ -1,4 +1,5 @@
-"""Ordinary tf_keras features with every method, as users turn them on.
+"""Ordinary Keras features with every method, as users turn them on, in the Keras `tf.keras` is
+(tf_keras under TF_USE_LEGACY_KERAS=1, Keras 3 otherwise: _worker.keras_and_broadcast).
 
 --case=matrix: for each row (mixed precision policies, an explicit LossScaleOptimizer, float16
 variables, an Embedding, an unused layer, clipping) and each method, model.fit on this rank's
@@ -11,6 +12,8 @@ were) and halve its loss scale alike.
 --case=clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 for
 STEPS_CLIPPED steps: how far each method moves the weights, next to the uncompressed exchange
 and to the same method fed the gradient clipped by hand.
+--case=metrics: hc.callbacks.MetricAverageCallback on ranks with different data: the logs a
+later callback sees are the ranks' average.
 """
 import hashlib
 
@@ -19,18 +22,18 @@ import tensorflow as tf
 from absl import app, flags
 
 import horovod.tensorflow as hvd_tf
-import horovod.tensorflow.keras as hvd
 import hvd_compress as hc
-from _worker import IdenticalRanks, report, weights_digest
+from _worker import IdenticalRanks, keras_and_broadcast, report, weights_digest
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
 METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
-flags.DEFINE_enum("case", "matrix", ["matrix", "overflow", "clipping"], "What to run.")
+flags.DEFINE_enum("case", "matrix", ["matrix", "overflow", "clipping", "metrics"], "What to run.")
 flags.DEFINE_list("rows", ROWS, "Matrix rows.")
 flags.DEFINE_list("methods", METHODS, "Methods.")
 FLAGS = flags.FLAGS
 BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 3, 3, 300
+BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 
 
 def compression(method):
@@ -51,6 +54,12 @@ def digest(arrays):
     return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
 
 
+def loss_scale(opt):
+    """A LossScaleOptimizer's current scale (tf_keras: loss_scale, Keras 3: dynamic_scale)."""
+    scale = getattr(opt, "loss_scale", getattr(opt, "dynamic_scale", None))
+    return None if scale is None else float(np.array(scale))
+
+
 def inner(opt):
     """The hvd_compress optimizer inside a LossScaleOptimizer (or itself)."""
     return getattr(opt, "inner_optimizer", opt)
@@ -63,24 +72,13 @@ def all_state(opt):
     return list(hc_opt.variables) + list(owner.rank_state.variables.values())
 
 
-class UnusedLayer(tf.keras.Model):
-    """An MLP with a layer whose weights get no gradient (None), built but never called."""
-
-    def __init__(self, keras):
-        super().__init__()
-        self.hidden = keras.layers.Dense(37, activation="relu")
-        self.unused = keras.layers.Dense(23)
-        self.out = keras.layers.Dense(5)
-        self.unused.build((None, 29))
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-
 def model_for(keras, row):
-    if row == "unused_layer":
-        model = UnusedLayer(keras)
-        model.build((None, 29))
+    if row == "unused_layer":  # an MLP with a layer whose weights get no gradient (None): built, never called
+        unused = keras.layers.Dense(23)
+        unused.build((None, 29))
+        inputs = keras.layers.Input((29,))
+        model = keras.Model(inputs, keras.layers.Dense(5)(keras.layers.Dense(37, activation="relu")(inputs)))
+        model.unused = unused
         return model
     if row == "embedding":
         return keras.Sequential([keras.layers.Input((12,), dtype="int32"), keras.layers.Embedding(50, 16),
@@ -117,11 +115,11 @@ def train(keras, row, method):
         if row == "explicit_loss_scale":
             opt = keras.mixed_precision.LossScaleOptimizer(opt)
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        unused_before = [w.numpy() for w in model.unused.weights] if row == "unused_layer" else []
+        unused_before = [np.array(w) for w in model.unused.weights] if row == "unused_layer" else []
         identical = IdenticalRanks(method)
-        x, y = data(row, hvd.rank())
+        x, y = data(row, hvd_tf.rank())
         # Horovod's broadcast has no bfloat16 (its own limit): there the same seed gives the same start.
-        broadcast = [] if row == "bfloat16_variables" else [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+        broadcast = [] if row == "bfloat16_variables" else [BROADCAST(0)]
         history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                             callbacks=broadcast + [identical])
         if method == "sgp":
@@ -133,11 +131,11 @@ def train(keras, row, method):
             losses=[float(v) for v in history.history["loss"]], steps_checked=identical.checked,
             finite=bool(all(np.isfinite(v.numpy().astype(np.float32)).all() for v in all_state(opt))),
             weights_finite=bool(all(np.isfinite(w.astype(np.float32)).all() for w in model.get_weights())),
-            loss_scale=float(opt.loss_scale.numpy()) if hasattr(opt, "loss_scale") else None,
-            variable_dtypes=sorted({v.dtype.name for v in model.trainable_variables}),
+            loss_scale=loss_scale(opt),
+            variable_dtypes=sorted({tf.as_dtype(v.dtype).name for v in model.trainable_variables}),
             optimizer=type(opt).__name__)
         if row == "unused_layer":
-            result["unused_moved"] = float(max(np.abs(w.numpy() - b).max()
+            result["unused_moved"] = float(max(np.abs(np.array(w) - b).max()
                                                for w, b in zip(model.unused.weights, unused_before)))
         if method != "sgp":
             result["bytes_per_step"] = float(inner(opt).compression_exchange.bytes_sent)
@@ -163,7 +161,7 @@ class Overflow(tf.keras.callbacks.Callback):
         inner_opt = inner(opt)
         state = [v for v in all_state(opt) if v is not inner_opt.iterations]
         return dict(weights=weights_digest(self.model), state=digest(v.numpy() for v in state),
-                    loss_scale=float(opt.loss_scale.numpy()), iterations=int(inner_opt.iterations.numpy()))
+                    loss_scale=loss_scale(opt), iterations=int(inner_opt.iterations.numpy()))
 
 
 def overflow(keras, method):
@@ -173,13 +171,13 @@ def overflow(keras, method):
         model = model_for(keras, "mlp")
         model.compile(optimizer=wrap(keras.optimizers.SGD(0.05, momentum=0.9), method),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x, y = data("mlp", hvd.rank())
+        x, y = data("mlp", hvd_tf.rank())
         weights = np.ones(len(x), np.float32)
-        if hvd.rank() == 1:
+        if hvd_tf.rank() == 1:
             weights[OVERFLOW_AT * BATCH] = np.inf  # only rank 1's gradient overflows
         watch = Overflow()
         model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), watch])
+                  callbacks=[BROADCAST(0), watch])
         everyone = hvd_tf.allgather_object(weights_digest(model), name="after_overflow")
         return dict(before=watch.before, after=watch.after, identical=len(set(everyone)) == 1 or method == "sgp",
                     inner_is_loss_scaled=type(model.optimizer).__name__)
@@ -210,14 +208,40 @@ def clipped_movements(keras, method, clip):
                 clipped_by_hand=movement(keras, method, g * (1.0 / tf.norm(g)), {}))
 
 
+class EpochLogs(tf.keras.callbacks.Callback):
+    """The logs as this callback sees them at each epoch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append({key: float(value) for key, value in logs.items()})
+
+
+def averaged_metrics(keras):
+    tf.keras.utils.set_random_seed(0)
+    model = model_for(keras, "mlp")
+    model.compile(optimizer=wrap(keras.optimizers.SGD(0.05), "onebit"), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data("mlp", hvd_tf.rank())
+    local, averaged = EpochLogs(), EpochLogs()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[BROADCAST(0), local, hc.callbacks.MetricAverageCallback(), averaged])
+    return dict(local=local.seen, averaged=averaged.seen)
+
+
 def main(_):
-    keras = hc.require_legacy_keras()
-    hvd.init()
+    global BROADCAST
+    keras, BROADCAST = keras_and_broadcast()
+    hvd_tf.init()
     results = {}
     if FLAGS.case == "matrix":
         for row in FLAGS.rows:
             for method in FLAGS.methods:
                 results[f"{row}/{method}"] = train(keras, row, method)
+    elif FLAGS.case == "metrics":
+        results = averaged_metrics(keras)
     elif FLAGS.case == "overflow":
         for method in FLAGS.methods:
             results[method] = overflow(keras, method)
@@ -225,7 +249,7 @@ def main(_):
         for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0))):
             for method in ["none"] + [m for m in FLAGS.methods if m != "sgp"]:
                 results[f"{name}/{method}"] = clipped_movements(keras, method, clip)
-    report(hvd, results=results)
+    report(hvd_tf, results=results)
 
 
 if __name__ == "__main__":

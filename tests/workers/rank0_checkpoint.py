@@ -18,21 +18,28 @@ import tensorflow as tf
 from absl import app, flags
 
 import horovod.tensorflow as hvd_tf
-import horovod.tensorflow.keras as hvd
+hvd = hvd_tf  # rank, size and init; no Keras layer of Horovod here
+
 import hvd_compress as hc
-from _worker import IdenticalRanks, LoggedLines, report, weights_digest
+from _worker import IdenticalRanks, LoggedLines, keras_and_broadcast, report, weights_digest
 
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods.")
-flags.DEFINE_list("formats", "h5,savedmodel,weights,checkpoint", "Resume: formats to restore.")
+flags.DEFINE_list("formats", None, "Resume: formats to restore (default: all of this Keras's).")
 flags.DEFINE_integer("epochs", 8, "Epochs in all (saved after half).")
 flags.DEFINE_bool("mutate", False, "Resume: give rank 1 rank 0's per-rank state after the restore, as "
                   "a broken restore would (the test must catch it).")
 FLAGS = flags.FLAGS
+# Model files (whole model, by ModelCheckpoint), weights (ModelCheckpoint save_weights_only) and
+# tf.train.Checkpoint, as each Keras writes them.
+BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 FORMATS = {"h5": "model.h5", "savedmodel": "model_tf", "weights": "weights", "checkpoint": "ckpt"}
+if not tf.keras.__name__.startswith("tf_keras"):  # Keras 3
+    FORMATS = {"keras": "model.keras", "weights": "model.weights.h5", "checkpoint": "ckpt"}
+MODEL_FILES = ("h5", "savedmodel", "keras")
 
 
 def new_model(keras, method):
@@ -106,11 +113,10 @@ def full(method, keras, data, directory):
     _, (x_test, y_test) = data
     model = new_model(keras, method)
     half = FLAGS.epochs // 2
-    rank0 = [keras.callbacks.ModelCheckpoint(str(directory / FORMATS["h5"])),
-             keras.callbacks.ModelCheckpoint(str(directory / FORMATS["savedmodel"])),
-             keras.callbacks.ModelCheckpoint(str(directory / FORMATS["weights"]), save_weights_only=True)]
+    rank0 = [keras.callbacks.ModelCheckpoint(str(directory / FORMATS[fmt]), save_weights_only=fmt == "weights")
+             for fmt in FORMATS if fmt != "checkpoint"]
     save = SaveOnRankZero(half, directory)
-    train_epochs(model, data, 0, half, [hvd.callbacks.BroadcastGlobalVariablesCallback(0), save]
+    train_epochs(model, data, 0, half, [BROADCAST(0), save]
                  + (rank0 if hvd.rank() == 0 else []))
     train_epochs(model, data, half, FLAGS.epochs)
     return dict(accuracy=accuracy(model, method, x_test, y_test), saved_state=save.state)
@@ -119,7 +125,7 @@ def full(method, keras, data, directory):
 def resume(method, fmt, keras, data, directory, saved):
     _, (x_test, y_test) = data
     path = str(directory / FORMATS[fmt])
-    if fmt in ("h5", "savedmodel"):
+    if fmt in MODEL_FILES:
         if method == "sgp":
             model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(sgd, overlap=True))
         else:
@@ -127,6 +133,7 @@ def resume(method, fmt, keras, data, directory, saved):
     else:
         model = new_model(keras, method)
         if fmt == "weights":
+            model.optimizer.build(model.trainable_variables)  # Keras 3 loads an unbuilt optimizer's state never
             model.load_weights(path)
         else:
             tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(path).assert_existing_objects_matched()
@@ -146,7 +153,8 @@ def resume(method, fmt, keras, data, directory, saved):
 
 
 def main(_):
-    keras = hc.require_legacy_keras()
+    global BROADCAST
+    keras, BROADCAST = keras_and_broadcast()
     hvd.init()
     lines = LoggedLines.attach()
     (x, y), test = digits.load(0)
@@ -162,7 +170,7 @@ def main(_):
             continue
         saved_by = work / f"saved_state_rank{hvd.rank()}.json"  # none for a rank the first run had not
         saved = json.loads(saved_by.read_text())[method] if saved_by.exists() else {"saved_state": None}
-        for fmt in FLAGS.formats:
+        for fmt in FLAGS.formats or FORMATS:
             before = len(lines.lines)
             results[f"{method}/{fmt}"] = resume(method, fmt, keras, data, directory, saved)
             results[f"{method}/{fmt}"]["logged"] = lines.lines[before:]

@@ -24,7 +24,7 @@ def grads_of(rank, step):
 
 def run(compression, two_way, nesterov):
     """Trains the two variables with hc; returns the final values."""
-    keras = hc.require_legacy_keras()
+    keras = tf.keras  # tf_keras or Keras 3: TF_USE_LEGACY_KERAS decides
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
@@ -106,7 +106,7 @@ def run_tape(block_size):
     """A custom loop: DistributedGradientTape with a GradientExchange, then plain SGD."""
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size), two_way=True)
-    sgd = hc.require_legacy_keras().optimizers.SGD(0.1)
+    sgd = tf.keras.optimizers.SGD(0.1)
 
     @tf.function
     def step(gw):
@@ -134,7 +134,7 @@ def reference_tape(block_size, size):
 
 def run_sketch(compression):
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    opt = hc.DistributedOptimizer(hc.require_legacy_keras().optimizers.SGD(0.1, momentum=MU, nesterov=True),
+    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True),
                                   compression=compression)
     step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
     for t in range(FLAGS.steps):
