@@ -6,29 +6,41 @@ import sys
 
 import pytest
 
-from hvdrun import run_ranks
+from hvdrun import KERASES, run_ranks
 
 
-CHECKPOINTS = ["checkpoint/onebit", "weights/onebit", "checkpoint/randomk", "checkpoint/sketch", "checkpoint/sgp",
-               "weights/powersgd"]
-MODEL_FILES = ["h5/powersgd", "savedmodel/sgp"]  # every method, both formats, rank 0's file: test_conventions.py
+# Every method and every format, written by rank 0: test_conventions.py.
+CHECKPOINTS = {"tf_keras": ["checkpoint/onebit", "weights/onebit", "checkpoint/randomk", "checkpoint/sketch",
+                            "checkpoint/sgp", "weights/powersgd"],
+               "keras3": ["checkpoint/onebit", "checkpoint/sgp", "checkpoint/powersgd"]}
+MODEL_FILES = {"tf_keras": ["h5/powersgd", "savedmodel/sgp"], "keras3": ["keras/powersgd", "keras/sgp"]}
+CASES = [(keras, case) for keras in KERASES for case in CHECKPOINTS[keras] + MODEL_FILES[keras]]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each rank's results of the uninterrupted run and of the run resumed halfway, per case (2
-    ranks; every case in one launch per phase). The first case's model is exported too."""
-    work = tmp_path_factory.mktemp("checkpoints")
-    flags = [f"--cases={','.join(CHECKPOINTS + MODEL_FILES)}", f"--work_dir={work}",
-             f"--export_dir={work / 'export'}"]
-    full = run_ranks("checkpoint.py", "--phase=full", *flags, np=2, timeout=600)
-    resumed = run_ranks("checkpoint.py", "--phase=resume", *flags, np=2, timeout=600)
-    return full, resumed, work / "export"
+    """Per Keras: each rank's results of the uninterrupted run and of the run resumed halfway, per
+    case (2 ranks; every case in one launch per phase). tf_keras's first case's model is exported."""
+    everything = {}
+    for keras in KERASES:
+        work = tmp_path_factory.mktemp(f"checkpoints-{keras}")
+        flags = [f"--cases={','.join(CHECKPOINTS[keras] + MODEL_FILES[keras])}", f"--work_dir={work}"]
+        if keras == "tf_keras":
+            flags.append(f"--export_dir={work / 'export'}")
+            everything["export"] = work / "export"
+        full = run_ranks("checkpoint.py", "--phase=full", *flags, np=2, timeout=600, env=KERASES[keras])
+        resumed = run_ranks("checkpoint.py", "--phase=resume", *flags, np=2, timeout=600, env=KERASES[keras])
+        everything[keras] = full, resumed
+    return everything
 
 
-@pytest.mark.parametrize("case", CHECKPOINTS)
-def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(runs, case):
-    full, resumed = ([rank[case] for rank in phase] for phase in runs[:2])
+def phases(runs, keras, case):
+    return ([rank[case] for rank in phase] for phase in runs[keras])
+
+
+@pytest.mark.parametrize("keras, case", [c for c in CASES if c[1] in CHECKPOINTS[c[0]]])
+def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(runs, keras, case):
+    full, resumed = phases(runs, keras, case)
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["num_optimizer_variables"] == before["num_optimizer_variables"]
@@ -39,9 +51,9 @@ def test_resume_from_a_checkpoint_matches_the_uninterrupted_run(runs, case):
     assert full[0]["residual_norm"] > 0
 
 
-@pytest.mark.parametrize("case", MODEL_FILES)
-def test_a_model_file_resumes_the_model_and_replicated_state(runs, case):
-    full, resumed = ([rank[case] for rank in phase] for phase in runs[:2])
+@pytest.mark.parametrize("keras, case", [c for c in CASES if c[1] in MODEL_FILES[c[0]]])
+def test_a_model_file_resumes_the_model_and_replicated_state(runs, keras, case):
+    full, resumed = phases(runs, keras, case)
     for before, after in zip(full, resumed):
         assert after["iterations"] == before["iterations"] == 24
         assert after["at_restore"]["model"] == before["at_save"]["model"]
@@ -51,7 +63,7 @@ def test_a_model_file_resumes_the_model_and_replicated_state(runs, case):
 
 
 def test_exported_savedmodel_predicts_without_horovod_or_hvd_compress(runs, tmp_path):
-    export = runs[2]
+    export = runs["export"]
     code = f"""
 import sys, numpy as np, tensorflow as tf
 loaded = tf.saved_model.load({str(export)!r})

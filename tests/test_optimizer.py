@@ -37,8 +37,20 @@ def baseline():
 ])
 def test_training_converges_next_to_the_uncompressed_baseline(baseline, flags, launcher, min_ratio):
     results = run_ranks("train_digits.py", *flags, f"--epochs={EPOCHS}", np=2, launcher=launcher)
+    check_next_to_baseline(results, baseline, min_ratio, f"{flags} {launcher}")
+
+
+def test_keras3_training_converges_next_to_the_uncompressed_baseline():
+    """Keras 3: onebit two-way next to Keras 3's uncompressed exchange (the same checks)."""
+    env = KERASES["keras3"]
+    baseline = run_ranks("train_digits.py", "--compression=none", f"--epochs={EPOCHS}", np=2, env=env)[0]
+    results = run_ranks("train_digits.py", "--compression=onebit", "--two_way", f"--epochs={EPOCHS}", np=2, env=env)
+    check_next_to_baseline(results, baseline, 8, "keras3 onebit")
+
+
+def check_next_to_baseline(results, baseline, min_ratio, what):
     ours = results[0]
-    print(f"{flags} {launcher}: accuracy {ours['accuracy']:.4f} vs baseline {baseline['accuracy']:.4f}, "
+    print(f"{what}: accuracy {ours['accuracy']:.4f} vs baseline {baseline['accuracy']:.4f}, "
           f"{ours['bytes_per_step']:.0f} vs {baseline['bytes_per_step']:.0f} bytes/step")
     assert ours["accuracy"] >= baseline["accuracy"] - 0.01
     assert ours["bytes_per_step"] <= baseline["bytes_per_step"] / min_ratio

@@ -3,7 +3,8 @@ phase `resume` (a new process) restores step S and trains to 2S; both run every 
 (format/compression) in turn, in one process. Each rank reports the model,
 the replicated state (optimizer.variables()) and the per-rank state when saved, when restored
 and at the end: a checkpoint (tf.train.Checkpoint, save_weights) resumes all of it bit for bit;
-a model file (h5, SavedModel) holds the model and replicated state only."""
+a model file (h5, SavedModel; Keras 3: .keras) holds the model and replicated state only. In the
+Keras `tf.keras` is (TF_USE_LEGACY_KERAS decides)."""
 import hashlib
 import pathlib
 
@@ -19,7 +20,8 @@ import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. Formats: checkpoint, weights, "
-                  "savedmodel, h5; compressions: onebit, topk, randomk, sketch, powersgd, or sgp (PushSumOptimizer).")
+                  "savedmodel, h5 (tf_keras), keras (Keras 3); compressions: onebit, topk, randomk, sketch, "
+                  "powersgd, or sgp (PushSumOptimizer).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
 FLAGS = flags.FLAGS
@@ -65,8 +67,8 @@ def states(model, opt):
 
 def run_case(keras, x, y, save_format, method, work, export_dir):
     """Trains one case's phase; its results."""
-    path = str(work / {"h5": "model.h5", "weights": "weights"}.get(save_format, "saved"))
-    model_file = save_format in ("h5", "savedmodel")
+    path = str(work / {"h5": "model.h5", "weights": "weights", "keras": "model.keras"}.get(save_format, "saved"))
+    model_file = save_format in ("h5", "savedmodel", "keras")
     if FLAGS.phase == "full" or not model_file:
         model, opt, _ = new_model_and_optimizer(keras, method)
     first, at_save, at_restore = 0, None, None
@@ -108,7 +110,7 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
 
 
 def main(_):
-    keras = hc.require_legacy_keras()
+    keras = tf.keras  # tf_keras or Keras 3
     hvd.init()
     (x, y), _ = digits.load(0)
     results = {}

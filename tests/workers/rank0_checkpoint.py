@@ -133,7 +133,8 @@ def resume(method, fmt, keras, data, directory, saved):
     else:
         model = new_model(keras, method)
         if fmt == "weights":
-            model.optimizer.build(model.trainable_variables)  # Keras 3 loads an unbuilt optimizer's state never
+            if "keras" in FORMATS:  # Keras 3 skips the optimizer's saved state unless it is built
+                model.optimizer.build(model.trainable_variables)
             model.load_weights(path)
         else:
             tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(path).assert_existing_objects_matched()
