@@ -5,7 +5,7 @@ Horovod's `hvd.elastic.KerasState(model, optimizer)` saves, restores and
 broadcasts `model.variables` and `optimizer.variables()`: with hvd_compress
 these are the model and the replicated state only, so a sync never moves
 per-rank or sharded state between ranks. (Horovod's own calls
-`optimizer.variables()`, which Keras 3 makes a list, and broadcasts Keras 3's
+`optimizer.variables()`, a plain list in Keras 3, and broadcasts Keras 3's
 variables, which its collectives do not take: `KerasState` here does the same
 on the tf.Variables behind them.) What Horovod's state cannot do is
 re-plan the exchange when the world changes: the two-way server residual is
@@ -40,12 +40,6 @@ import tensorflow as tf
 from hvd_compress.callbacks import tf_variable
 
 
-def optimizer_variables(optimizer):
-    """optimizer.variables of either Keras (a method in tf_keras, a list in Keras 3)."""
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
 class KerasState(hvd_elastic.KerasState):
     """Horovod's elastic KerasState for models compiled with an hvd_compress optimizer, in either
     Keras (see the module docstring); takes the same arguments."""
@@ -59,7 +53,7 @@ class KerasState(hvd_elastic.KerasState):
 
     def _variables(self):
         """The model's and the optimizer's tf.Variables (Keras 3 wraps them)."""
-        return [tf_variable(v) for v in list(self.model.variables) + optimizer_variables(self.optimizer)]
+        return [tf_variable(v) for v in list(self.model.variables) + list(self.optimizer.variables)]
 
     def _save_model(self):
         self._saved = [tf.identity(v) for v in self._variables()]

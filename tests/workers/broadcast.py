@@ -91,9 +91,8 @@ def main(_):
         model, opt, x, y, watch = train(method, broadcast_callback=True)
         state = rank_state(opt)
         before = digest(v.numpy() for v in state.variables.values())
-        opt_variables = opt.variables() if callable(opt.variables) else opt.variables  # tf_keras, Keras 3
         hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in model.variables], root_rank=0)
-        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in opt_variables], root_rank=0)
+        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in opt.variables], root_rank=0)
         after = digest(v.numpy() for v in state.variables.values())
         everyone = hvd.allgather_object(before, name="states")
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Watch(method)])

@@ -65,7 +65,7 @@ class Record(tf.keras.callbacks.Callback):
         exchange = self.model.optimizer.compression_exchange
         self.epochs.append(dict(epoch=self.state.epoch, size=hvd.size(), loss=float(logs["loss"]),
                                 shards=[int(v.shape[0]) for v in exchange.server_residuals]))
-        self.replicated_at_epoch_end = digest(hc.elastic.optimizer_variables(self.model.optimizer))
+        self.replicated_at_epoch_end = digest(self.model.optimizer.variables)
         slots = {FLAGS.shrink_at: 2, FLAGS.grow_at: 3}.get(self.state.epoch)
         if hvd.rank() == 0 and slots is not None:
             set_slots(self.state, slots)
@@ -76,7 +76,7 @@ class Record(tf.keras.callbacks.Callback):
         fresh = all(np.array_equal(v.numpy(), rank_state.specs[k].initial_value().numpy())
                     for k, v in rank_state.variables.items())
         self.resets.append(dict(size=hvd.size(), rank_state_fresh=fresh, owner=rank_state.owner.numpy().tolist(),
-                                replicated_kept=digest(hc.elastic.optimizer_variables(self.model.optimizer))
+                                replicated_kept=digest(self.model.optimizer.variables)
                                 == self.replicated_at_epoch_end))
 
 
