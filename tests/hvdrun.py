@@ -6,6 +6,7 @@ non-zero exit or a timeout, the whole launcher process group is killed and
 the test fails with every rank's output (horovodrun prefixes each line with
 its rank), so a hang costs at most `timeout` seconds and is easy to read.
 """
+import functools
 import json
 import os
 import pathlib
@@ -19,11 +20,24 @@ import pytest
 TESTS = pathlib.Path(__file__).parent.resolve()
 WORKERS = TESTS / "workers"
 HOROVODRUN = pathlib.Path(sys.executable).with_name("horovodrun")
+#: horovodrun's command line without its per-launch build check (see horovodrun_checked.py).
+LAUNCHER = [sys.executable, str(TESTS / "horovodrun_checked.py")]
 LAUNCHERS = ("gloo", "mpi")
 
 
 #: How a worker's `tf.keras` becomes each Keras, as for users: TF_USE_LEGACY_KERAS.
 KERASES = {"tf_keras": {"TF_USE_LEGACY_KERAS": "1"}, "keras3": {"TF_USE_LEGACY_KERAS": "0"}}
+#: Every method, as the workers name them.
+METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
+#: The smoke subset on the second Keras: where a test runs every method in tf_keras, Keras 3 runs
+#: one method per kind of state (onebit's server-residual shards, top-k's per-rank residual,
+#: PowerSGD's replicated Q, SGP's PushSum weight); all of them pass through the same Keras 3 entry,
+#: and every method's update rule is checked in both Kerases (test_optimizer.py).
+KERAS3_METHODS = ["onebit", "topk", "powersgd", "sgp"]
+
+
+def methods_in(keras):
+    return METHODS if keras == "tf_keras" else KERAS3_METHODS
 
 
 def worker_env(extra=None):
@@ -37,15 +51,29 @@ def worker_env(extra=None):
         "TF_NUM_INTEROP_THREADS": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        # Horovod's background loop starts the collectives every HOROVOD_CYCLE_TIME ms (default 1).
+        # A step here is a few ms of compute and several collectives that wait on each other, so at
+        # 1 ms the ranks mostly wait: 2-rank digits runs take 40% less time at 0.1 ms (shorter
+        # still busy-waits). Per-step results do not change.
+        "HOROVOD_CYCLE_TIME": "0.1",
     })
     env.update(extra or {})
+    env["HC_HOROVOD_BUILT"] = horovod_built()
     return env
+
+
+@functools.cache
+def horovod_built():
+    """The controllers Horovod was built with ("gloo,mpi"), asked once per test session as
+    horovodrun asks before each launch."""
+    import horovod.tensorflow as hvd
+    return ",".join(name for name, built in (("gloo", hvd.gloo_built()), ("mpi", hvd.mpi_built())) if built)
 
 
 def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
     """Runs tests/workers/<worker> on `np` ranks; returns the per-rank result dicts."""
     assert launcher in LAUNCHERS, launcher
-    return _launch([str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"],
+    return _launch([*LAUNCHER, "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"],
                    worker, args, np, f"{worker} on {np} ranks ({launcher})", timeout, env)
 
 
@@ -58,7 +86,7 @@ def run_elastic(worker, *args, np=3, min_np=2, timeout=300, env=None):
     with tempfile.TemporaryDirectory(prefix="hvdslots-") as slots_dir:
         slots = pathlib.Path(slots_dir) / "slots"
         slots.write_text(f"{np}\n")
-        cmd = [str(HOROVODRUN), "-np", str(np), "--min-np", str(min_np), "--max-np", str(np),
+        cmd = [*LAUNCHER, "-np", str(np), "--min-np", str(min_np), "--max-np", str(np),
                "--host-discovery-script", str(WORKERS / "discover_hosts.sh"), "--network-interface", "lo",
                "--gloo", "--elastic-timeout", "60"]
         # Survivors wait in hvd.init() while a new worker imports TensorFlow: longer than Gloo's 30 s.

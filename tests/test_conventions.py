@@ -8,28 +8,32 @@ docs/design.md, "State scopes"."""
 import pytest
 
 from hvd_compress.exchange import shard_cuts
-from hvdrun import KERASES, run_elastic, run_ranks
+from hvdrun import KERAS3_METHODS, KERASES, METHODS, methods_in, run_elastic, run_ranks
 
-METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
 FORMATS = ["h5", "savedmodel", "weights", "checkpoint"]
 EPOCHS = 8
-KERAS3_METHODS = ["onebit", "topk", "powersgd", "sgp"]  # sharded, per-rank, replicated Q, PushSum
 
 
-@pytest.mark.parametrize("ranks, keras", [(3, "tf_keras"), (5, "tf_keras"), (3, "keras3")])
-def test_horovod_broadcasts_never_overwrite_per_rank_state(ranks, keras):
+@pytest.mark.parametrize("ranks, keras, callback", [(3, "tf_keras", "horovod"), (5, "tf_keras", "hvd_compress"),
+                                                    (3, "keras3", "hvd_compress")])
+def test_horovod_broadcasts_never_overwrite_per_rank_state(ranks, keras, callback):
+    """With the broadcast callback (Horovod's or hc.callbacks', which Keras 3 needs and tf_keras
+    takes too) and hvd.broadcast_variables by hand."""
     # Runs with and without the callback are compared bit for bit: Horovod's own tensor fusion,
     # which groups tensors by timing, would change the summation order between runs (seen at 5 ranks).
-    results = run_ranks("broadcast.py", np=ranks, timeout=480, env={**KERASES[keras], "HOROVOD_FUSION_THRESHOLD": "0"})
+    methods = methods_in(keras)
+    results = run_ranks("broadcast.py", f"--methods={','.join(methods)}", f"--hc_callback={callback == 'hvd_compress'}",
+                        np=ranks, timeout=480,
+                        env={**KERASES[keras], "HOROVOD_FUSION_THRESHOLD": "0"})
     for rank, result in enumerate(results):
-        for method in METHODS:
+        for method in methods:
             got = result["results"][method]
             assert got["state_with_callback"] == got["state_without"], (rank, method)
             assert got["explicit_broadcast_kept_state"], (rank, method)
             assert got["finite"], (rank, method)
             assert got["steps_checked"] == (0 if method == "sgp" else 4), (rank, method)
         assert result["results"]["sgp_mass"] == pytest.approx(ranks, rel=1e-5)
-    for method in METHODS:
+    for method in methods:
         assert results[0]["results"][method]["states_differ_by_rank"], method
 
 

@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
-from hvdrun import HOROVODRUN, KERASES, TESTS, run_ranks, worker_env
+from hvdrun import HOROVODRUN, KERASES, TESTS, methods_in, run_ranks, worker_env
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]  # as in workers/keras_features.py
-METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
 
 
 @pytest.fixture(scope="module", params=list(KERASES))
@@ -20,16 +19,23 @@ def keras(request):
 
 
 @pytest.fixture(scope="module")
-def matrix(keras):
-    ranks = run_ranks("keras_features.py", "--case=matrix", np=2, timeout=900, env=KERASES[keras])
-    return [r["results"] for r in ranks]
+def features(keras):
+    """Every case of workers/keras_features.py in this Keras: 2 ranks, one launch; per-rank
+    {case: results}. Keras 3 runs hvdrun.KERAS3_METHODS."""
+    return [r["results"] for r in run_ranks("keras_features.py", f"--methods={','.join(methods_in(keras))}", np=2,
+                                            timeout=900, env=KERASES[keras])]
+
+
+@pytest.fixture
+def matrix(features):
+    return [r["matrix"] for r in features]
 
 
 @pytest.mark.parametrize("row", ROWS)
 def test_every_method_trains_with_the_feature(keras, matrix, row):
     """Every row: ranks identical after every step (SGP: after consensus), the loss falls, every
     piece of state is finite. And each row's own expectation, below."""
-    for method in METHODS:
+    for method in methods_in(keras):
         key = f"{row}/{method}"
         for rank, results in enumerate(matrix):
             got = results[key]
@@ -48,13 +54,13 @@ def test_every_method_trains_with_the_feature(keras, matrix, row):
             assert first["bytes_per_step"] < first["uncompressed_bytes_per_step"] / 2
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras):
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras, features):
     """mixed_float16; one sample of rank 1 has an infinite weight at one batch. The skipped step
     counts in the wrapped optimizer's iterations in tf_keras, not in Keras 3 (each Keras's way)."""
-    ranks = run_ranks("keras_features.py", "--case=overflow", np=2, timeout=600, env=KERASES[keras])
+    ranks = [r["overflow"] for r in features]
     counted = {"tf_keras": 1, "keras3": 0}[keras]
-    for method in METHODS:
-        per_rank = [r["results"][method] for r in ranks]
+    for method in methods_in(keras):
+        per_rank = [r[method] for r in ranks]
         for got in per_rank:
             assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
             assert got["after"]["state"] == got["before"]["state"], method  # and left every piece of state
@@ -64,15 +70,15 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras):
         assert per_rank[0]["after"]["loss_scale"] == per_rank[1]["after"]["loss_scale"]
 
 
-def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras):
+def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras, features):
     """A constant gradient of norm about 65, clipnorm=1 (or global_clipnorm=1), 300 steps: each method moves
     the weights exactly as when fed the gradient clipped by hand, and as far as the uncompressed
     exchange within 10%. Sketched SGD's recovery moves far less on this gradient (a known gap of the
     heavy-hitter recovery, planned separately), so it is held to the first test only."""
-    results = run_ranks("keras_features.py", "--case=clipping", np=2, timeout=600, env=KERASES[keras])[0]["results"]
+    results = features[0]["clipping"]
     for clip in ("clipnorm", "global_clipnorm"):
         uncompressed = results[f"{clip}/none"]["clipped"]
-        for method in ["none"] + [m for m in METHODS if m != "sgp"]:
+        for method in ["none"] + [m for m in methods_in(keras) if m != "sgp"]:
             got = results[f"{clip}/{method}"]
             # Not bit for bit: clip_by_norm rounds g * (1 / |g|) differently.
             assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-3), (clip, method, got)
@@ -80,10 +86,9 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
                 assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
 
 
-def test_metric_average_callback_averages_the_logs_over_the_ranks(keras):
+def test_metric_average_callback_averages_the_logs_over_the_ranks(features):
     """hc.callbacks.MetricAverageCallback, in either Keras (Horovod's fails under Keras 3)."""
-    local, averaged = zip(*((r["results"]["local"], r["results"]["averaged"]) for r in run_ranks(
-        "keras_features.py", "--case=metrics", np=2, timeout=300, env=KERASES[keras])))
+    local, averaged = zip(*((r["metrics"]["local"], r["metrics"]["averaged"]) for r in features))
     assert local[0] != local[1]  # different data, different metrics
     for epoch in range(2):
         for key in ("loss", "accuracy"):

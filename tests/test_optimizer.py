@@ -8,7 +8,7 @@ EPOCHS = 16
 
 @pytest.mark.parametrize("launcher, np, keras", [("gloo", 2, "tf_keras"), ("gloo", 3, "tf_keras"),
                                                 ("gloo", 4, "tf_keras"), ("mpi", 2, "tf_keras"),
-                                                ("gloo", 3, "keras3"), ("mpi", 2, "keras3")])
+                                                ("gloo", 2, "keras3"), ("gloo", 3, "keras3")])
 def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, np, keras):
     """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch and the tape,
     over 6 graph-mode steps with a learning-rate drop, in either Keras, equal the NumPy
@@ -17,35 +17,36 @@ def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, np, kera
     assert all(r["digests"] == results[0]["digests"] for r in results)
 
 
+#: Run (tests/workers/train_digits.py) -> at least how many times fewer bytes than the baseline.
+CONVERGING = {"onebit": 8, "onebit_oneway": 8, "topk": 8, "randomk": 8, "powersgd": 4,
+              # >= 4x of all bytes, biases included. Sketched SGD's recovery finds no heavy hitters
+              # yet (it behaves like random-k; its rewrite is planned): 0.961 against 0.978.
+              "sketch": 4}
+
+
 @pytest.fixture(scope="module")
-def baseline():
-    results = run_ranks("train_digits.py", "--compression=none", f"--epochs={EPOCHS}", np=2)
-    return results[0]
+def gloo_runs():
+    """The uncompressed baseline, every method and onebit under Adam: 2 ranks, one launch."""
+    ranks = run_ranks("train_digits.py", f"--runs=none,{','.join(CONVERGING)},onebit_adam", f"--epochs={EPOCHS}",
+                      np=2, timeout=600)
+    return [r["results"] for r in ranks]
 
 
-@pytest.mark.parametrize("flags, launcher, min_ratio", [
-    (["--compression=onebit", "--two_way"], "gloo", 8),
-    (["--compression=onebit", "--notwo_way"], "gloo", 8),
-    (["--compression=topk", "--ratio=0.01"], "gloo", 8),
-    (["--compression=randomk", "--ratio=0.1"], "gloo", 8),
-    # >= 4x of all bytes, biases included. Sketched SGD's recovery finds no heavy hitters yet (it
-    # behaves like random-k; its rewrite is planned): 0.961 against 0.978 since the broadcast fix.
-    pytest.param(["--compression=sketch", "--sketch_ratio=4.5"], "gloo", 4,
-                 marks=pytest.mark.xfail(reason="sketch recovery: heavy hitters not found yet")),
-    (["--compression=powersgd"], "gloo", 4),
-    (["--compression=onebit", "--two_way"], "mpi", 8),
-])
-def test_training_converges_next_to_the_uncompressed_baseline(baseline, flags, launcher, min_ratio):
-    results = run_ranks("train_digits.py", *flags, f"--epochs={EPOCHS}", np=2, launcher=launcher)
-    check_next_to_baseline(results, baseline, min_ratio, f"{flags} {launcher}")
+@pytest.mark.parametrize("run", [pytest.param(run, marks=pytest.mark.xfail(
+    reason="sketch recovery: heavy hitters not found yet")) if run == "sketch" else run for run in CONVERGING])
+def test_training_converges_next_to_the_uncompressed_baseline(gloo_runs, run):
+    check_next_to_baseline([r[run] for r in gloo_runs], gloo_runs[0]["none"], CONVERGING[run], run)
+
+
+def test_mpi_training_converges_next_to_the_uncompressed_baseline(gloo_runs):
+    ranks = run_ranks("train_digits.py", "--runs=onebit", f"--epochs={EPOCHS}", np=2, launcher="mpi")
+    check_next_to_baseline([r["results"]["onebit"] for r in ranks], gloo_runs[0]["none"], 8, "onebit (mpi)")
 
 
 def test_keras3_training_converges_next_to_the_uncompressed_baseline():
     """Keras 3: onebit two-way next to Keras 3's uncompressed exchange (the same checks)."""
-    env = KERASES["keras3"]
-    baseline = run_ranks("train_digits.py", "--compression=none", f"--epochs={EPOCHS}", np=2, env=env)[0]
-    results = run_ranks("train_digits.py", "--compression=onebit", "--two_way", f"--epochs={EPOCHS}", np=2, env=env)
-    check_next_to_baseline(results, baseline, 8, "keras3 onebit")
+    ranks = run_ranks("train_digits.py", "--runs=none,onebit", f"--epochs={EPOCHS}", np=2, env=KERASES["keras3"])
+    check_next_to_baseline([r["results"]["onebit"] for r in ranks], ranks[0]["results"]["none"], 8, "keras3 onebit")
 
 
 def check_next_to_baseline(results, baseline, min_ratio, what):
@@ -54,28 +55,29 @@ def check_next_to_baseline(results, baseline, min_ratio, what):
           f"{ours['bytes_per_step']:.0f} vs {baseline['bytes_per_step']:.0f} bytes/step")
     assert ours["accuracy"] >= baseline["accuracy"] - 0.01
     assert ours["bytes_per_step"] <= baseline["bytes_per_step"] / min_ratio
-    assert ours["steps_checked"] == results[1]["steps_checked"] > 100  # checked after every step
+    assert ours["steps_checked"] == results[1]["steps_checked"] == EPOCHS * 22  # checked after every step
     assert all(r["digest"] == ours["digest"] for r in results)
     assert ours["logged_bytes"] == ours["bytes_per_step"] and ours["logged_residual_norm"] > 0
 
 
-@pytest.mark.parametrize("compression, epochs, min_accuracy", [("onebit", 8, 0.9), ("sketch", 2, None)])
-def test_four_ranks_stay_identical(compression, epochs, min_accuracy):
+def test_four_ranks_stay_identical():
     """Bit-identical parameters after every step on 4 ranks. (Sketched SGD at 4 ranks and lr 0.2 does
     not converge on digits: its byte budget buys few coordinates per step on a 21k model; see
     docs/design.md. Only identity is asserted for it.)"""
-    results = run_ranks("train_digits.py", f"--compression={compression}", f"--epochs={epochs}", np=4)
-    print(f"4 ranks {compression}: accuracy {results[0]['accuracy']:.4f}")
-    assert len({r["digest"] for r in results}) == 1
-    assert all(r["steps_checked"] == epochs * 11 for r in results)
-    if min_accuracy:
-        assert results[0]["accuracy"] > min_accuracy
+    epochs = 4
+    ranks = run_ranks("train_digits.py", "--runs=onebit,sketch", f"--epochs={epochs}", np=4)
+    for run in ("onebit", "sketch"):
+        results = [r["results"][run] for r in ranks]
+        print(f"4 ranks {run}: accuracy {results[0]['accuracy']:.4f}")
+        assert len({r["digest"] for r in results}) == 1, run
+        assert all(r["steps_checked"] == epochs * 11 for r in results), run
+    assert ranks[0]["results"]["onebit"]["accuracy"] > 0.85
 
 
-def test_plain_error_feedback_under_adam():
+def test_plain_error_feedback_under_adam(gloo_runs):
     """Not dist-EF-SGD (that is for momentum SGD): EF on gradients, Adam on the mean. It learns,
     more slowly than Adam itself (measured: 0.88 vs 0.95 after 8 epochs)."""
-    results = run_ranks("train_digits.py", "--compression=onebit", "--optimizer=adam", "--epochs=8", np=2)
+    results = [r["onebit_adam"] for r in gloo_runs]
     assert len({r["digest"] for r in results}) == 1
     assert results[0]["accuracy"] > 0.8
 

@@ -2,8 +2,8 @@
 
 For each method: model.fit with the broadcast callback users of this Keras add (Horovod's
 BroadcastGlobalVariablesCallback(0) in tf_keras, which broadcasts model.variables and
-optimizer.variables() after the first batch; hvd_compress's in Keras 3, which broadcasts them
-before the first step) and the same run without it;
+optimizer.variables() after the first batch; hvd_compress's in Keras 3, or with --hc_callback,
+which broadcasts them before the first step) and the same run without it;
 after every batch all ranks must hold identical weights (SGP: its own check below), and the
 per-rank state after step 2 must equal the run without the callback. Then
 hvd.broadcast_variables(model.variables, 0) and hvd.broadcast_variables(opt.variables(), 0)
@@ -20,6 +20,8 @@ import hvd_compress as hc
 from _worker import keras_and_broadcast, report, weights_digest
 
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods to run.")
+flags.DEFINE_bool("hc_callback", False, "Use hc.callbacks.BroadcastGlobalVariablesCallback in tf_keras too "
+                  "(Keras 3 always does).")
 FLAGS = flags.FLAGS
 STEPS, BATCH = 4, 16
 
@@ -69,6 +71,8 @@ class Watch(tf.keras.callbacks.Callback):
 
 def train(method, broadcast_callback):
     keras, broadcast = keras_and_broadcast()
+    if FLAGS.hc_callback:
+        broadcast = hc.callbacks.BroadcastGlobalVariablesCallback
     tf.keras.utils.set_random_seed(0)  # the same initial weights on every rank
     model = keras.Sequential([keras.layers.Input((29,)), keras.layers.Dense(37, activation="relu"),
                               keras.layers.Dense(23, activation="relu"), keras.layers.Dense(5)])

@@ -1,5 +1,7 @@
-"""PushSum with no gradients: every rank's parameters converge to the exact average, the
-weights (with the mass in flight) always sum to n, and all of it after any number of ranks."""
+"""PushSum with no gradients, once per case in --cases: every rank's parameters converge to the
+exact average, the weights (with the mass in flight) always sum to n, and all of it after any
+number of ranks. A case is a graph, optionally with "+overlap" and "+every<H>" (an exact
+allreduce average every H steps): "ring+every4+overlap"."""
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
@@ -8,31 +10,35 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from _worker import report
 
-flags.DEFINE_string("graph", "exponential", "Graph.")
-flags.DEFINE_bool("overlap", False, "Overlap SGP.")
-flags.DEFINE_integer("steps", 30, "Gossip steps.")
-flags.DEFINE_integer("average_every", None, "Exact allreduce average every H steps.")
+flags.DEFINE_list("cases", ["exponential"], "Cases: graph[+overlap][+every<H>].")
+flags.DEFINE_integer("steps", 40, "Gossip steps per case.")
 FLAGS = flags.FLAGS
 
 
-def main(_):
-    keras = hc.require_legacy_keras()
-    hvd.init()
+def gossip(keras, case):
+    graph, *options = case.split("+")
+    overlap = "overlap" in options
+    every = [int(o.removeprefix("every")) for o in options if o.startswith("every")]
     n, rank = hvd.size(), hvd.rank()
     starts = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in range(n)]
-    start, target = starts[rank], np.mean(starts, axis=0)
-    v = tf.Variable(start)
-    opt = hc.PushSumOptimizer(keras.optimizers.SGD(0.0), graph=FLAGS.graph, overlap=FLAGS.overlap,
-                              average_every=FLAGS.average_every)
+    target = np.mean(starts, axis=0)
+    v = tf.Variable(starts[rank])
+    opt = hc.PushSumOptimizer(keras.optimizers.SGD(0.0), graph=graph, overlap=overlap,
+                              average_every=every[0] if every else None)
     step = tf.function(lambda: opt.apply_gradients([(tf.zeros([1000]), v)]))
     errors, mass = [], []
     for _ in range(FLAGS.steps):
         step()
         errors.append(float(np.abs(v.numpy() - target).max()))
-        w = opt.pushsum.weight + (opt.pushsum.in_flight[-1] if FLAGS.overlap else 0.0)
+        w = opt.pushsum.weight + (opt.pushsum.in_flight[-1] if overlap else 0.0)
         mass.append(float(hvd.allreduce(w, op=hvd.Sum, name="mass")))
-    report(hvd, errors=errors, mass=mass, weight=float(opt.pushsum.weight.numpy()),
-           bytes_sent=opt.pushsum.bytes_sent)
+    return dict(errors=errors, mass=mass)
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    report(hvd, results={case: gossip(keras, case) for case in FLAGS.cases})
 
 
 if __name__ == "__main__":

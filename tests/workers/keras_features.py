@@ -1,18 +1,19 @@
 """Ordinary Keras features with every method, as users turn them on, in the Keras `tf.keras` is
 (tf_keras under TF_USE_LEGACY_KERAS=1, Keras 3 otherwise: _worker.keras_and_broadcast).
 
---case=matrix: for each row (mixed precision policies, an explicit LossScaleOptimizer, float16
+Runs each case in --cases, one after another in this process; reports {case: results}.
+matrix: for each row (mixed precision policies, an explicit LossScaleOptimizer, float16
 variables, an Embedding, an unused layer, clipping) and each method, model.fit on this rank's
 data; after every batch the ranks must hold identical weights (SGP: checked after consensus);
 reports the loss per epoch, whether all state is finite, and the row's own facts (the unused
 layer's weights, the loss scale).
---case=overflow: mixed_float16; at batch OVERFLOW_AT one sample of rank 1 has an infinite weight,
+overflow: mixed_float16; at batch OVERFLOW_AT one sample of rank 1 has an infinite weight,
 so only rank 1's gradient overflows: every rank must skip that step (weights and state as they
 were) and halve its loss scale alike.
---case=clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 for
+clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 for
 STEPS_CLIPPED steps: how far each method moves the weights, next to the uncompressed exchange
 and to the same method fed the gradient clipped by hand.
---case=metrics: hc.callbacks.MetricAverageCallback on ranks with different data: the logs a
+metrics: hc.callbacks.MetricAverageCallback on ranks with different data: the logs a
 later callback sees are the ranks' average.
 """
 import hashlib
@@ -28,7 +29,8 @@ from _worker import IdenticalRanks, keras_and_broadcast, report, weights_digest
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
 METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
-flags.DEFINE_enum("case", "matrix", ["matrix", "overflow", "clipping", "metrics"], "What to run.")
+CASES = ["matrix", "overflow", "clipping", "metrics"]
+flags.DEFINE_list("cases", CASES, f"Cases, in this order: {', '.join(CASES)}.")
 flags.DEFINE_list("rows", ROWS, "Matrix rows.")
 flags.DEFINE_list("methods", METHODS, "Methods.")
 FLAGS = flags.FLAGS
@@ -231,25 +233,24 @@ def averaged_metrics(keras):
     return dict(local=local.seen, averaged=averaged.seen)
 
 
+def run_case(keras, case):
+    if case == "matrix":
+        return {f"{row}/{method}": train(keras, row, method) for row in FLAGS.rows for method in FLAGS.methods}
+    if case == "metrics":
+        return averaged_metrics(keras)
+    if case == "overflow":
+        return {method: overflow(keras, method) for method in FLAGS.methods}
+    assert case == "clipping", f"--cases: unknown {case!r}"
+    return {f"{name}/{method}": clipped_movements(keras, method, clip)
+            for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0)))
+            for method in ["none"] + [m for m in FLAGS.methods if m != "sgp"]}
+
+
 def main(_):
     global BROADCAST
     keras, BROADCAST = keras_and_broadcast()
     hvd_tf.init()
-    results = {}
-    if FLAGS.case == "matrix":
-        for row in FLAGS.rows:
-            for method in FLAGS.methods:
-                results[f"{row}/{method}"] = train(keras, row, method)
-    elif FLAGS.case == "metrics":
-        results = averaged_metrics(keras)
-    elif FLAGS.case == "overflow":
-        for method in FLAGS.methods:
-            results[method] = overflow(keras, method)
-    else:
-        for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0))):
-            for method in ["none"] + [m for m in FLAGS.methods if m != "sgp"]:
-                results[f"{name}/{method}"] = clipped_movements(keras, method, clip)
-    report(hvd_tf, results=results)
+    report(hvd_tf, results={case: run_case(keras, case) for case in FLAGS.cases})
 
 
 if __name__ == "__main__":
