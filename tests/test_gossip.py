@@ -4,8 +4,10 @@ import pytest
 
 from hvdrun import run_ranks
 
-#: World size -> the cases (tests/workers/gossip_consensus.py) run in its one launch.
-CONSENSUS = {2: ["exponential"], 3: ["exponential", "ring", "ring+every4", "ring+every4+overlap"],
+#: Cases (tests/workers/gossip_consensus.py) with an exact average every 4th step, at 3 ranks.
+AVERAGE_EVERY_4 = ["ring+every4", "ring+every4+overlap"]
+#: World size -> the cases run in its one launch.
+CONSENSUS = {2: ["exponential"], 3: ["exponential", "ring", *AVERAGE_EVERY_4],
              4: ["exponential2", "exponential+overlap"]}
 
 
@@ -19,7 +21,7 @@ def consensus(request):
 @pytest.mark.parametrize("consensus", list(CONSENSUS), indirect=True)
 def test_gossip_without_gradients_reaches_the_exact_average(consensus):
     for case, results in consensus.items():
-        if "every" in case:
+        if case in AVERAGE_EVERY_4:
             continue
         for r in results:
             errors = np.array(r["errors"])
@@ -34,7 +36,7 @@ def test_gossip_without_gradients_reaches_the_exact_average(consensus):
 @pytest.mark.parametrize("consensus", [3], indirect=True)
 def test_average_every_h_steps_is_exact_consensus(consensus):
     """3 ranks on a ring mix slowly; every 4th step an exact average (mass in flight included)."""
-    for case in ("ring+every4", "ring+every4+overlap"):
+    for case in AVERAGE_EVERY_4:
         for r in consensus[case]:
             errors = r["errors"]
             assert errors[2] > 1e-2, case  # gossip alone is not there yet...

@@ -18,13 +18,13 @@ FLAGS = flags.FLAGS
 def gossip(keras, case):
     graph, *options = case.split("+")
     overlap = "overlap" in options
-    every = [int(o.removeprefix("every")) for o in options if o.startswith("every")]
+    every = next((int(o.removeprefix("every")) for o in options if o.startswith("every")), None)
     n, rank = hvd.size(), hvd.rank()
     starts = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in range(n)]
     target = np.mean(starts, axis=0)
     v = tf.Variable(starts[rank])
     opt = hc.PushSumOptimizer(keras.optimizers.SGD(0.0), graph=graph, overlap=overlap,
-                              average_every=every[0] if every else None)
+                              average_every=every)
     step = tf.function(lambda: opt.apply_gradients([(tf.zeros([1000]), v)]))
     errors, mass = [], []
     for _ in range(FLAGS.steps):

@@ -40,14 +40,15 @@ def train(keras, broadcast, run, data):
     tf.keras.utils.set_random_seed(0)
     train_set, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), 32, 0)
     model = digits.cnn(keras, 0)
-    compression, two_way, inner = RUNS[run]
-    inner = (keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9, nesterov=True) if inner == "sgd"
+    compression, two_way, inner_name = RUNS[run]
+    inner = (keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9, nesterov=True) if inner_name == "sgd"
              else keras.optimizers.Adam(0.002))
+    identical = IdenticalRanks(run)
     if run == "sgp":
         optimizer, callbacks = hc.PushSumOptimizer(inner), [Spread()]
     else:
         optimizer = hc.DistributedOptimizer(inner, compression=compression(), two_way=two_way)
-        callbacks = [IdenticalRanks(run), hc.callbacks.CompressionMetrics()]
+        callbacks = [identical, hc.callbacks.CompressionMetrics()]
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(train_set, epochs=FLAGS.epochs, steps_per_epoch=steps, verbose=0,
@@ -62,7 +63,7 @@ def train(keras, broadcast, run, data):
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     exchange = optimizer.compression_exchange
     return dict(accuracy=float(accuracy), bytes_per_step=exchange.bytes_sent,
-                fp32_bytes_per_step=exchange.uncompressed_bytes, steps_checked=callbacks[0].checked,
+                fp32_bytes_per_step=exchange.uncompressed_bytes, steps_checked=identical.checked,
                 logged_bytes=history.history["bytes_per_step"][-1],
                 logged_residual_norm=history.history["residual_norm"][-1], digest=weights_digest(model))
 
