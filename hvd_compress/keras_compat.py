@@ -16,6 +16,7 @@ A wrapper's core implements `_hc_agree_on_finiteness(grads)` and `_hc_step(grads
 """
 import functools
 import importlib
+import sys
 
 import tensorflow as tf
 
@@ -42,10 +43,18 @@ def keras3():
     return keras if keras is not None and int(keras.__version__.split(".")[0]) >= 3 else None
 
 
+def kerases_in_use():
+    """tf_keras and Keras 3, those whose optimizers module is imported: no optimizer of a Keras
+    exists before, so the type checks below need not import the other Keras (Keras 3 takes about
+    1.5 s to import)."""
+    return [keras() for module, keras in (("tf_keras.src.optimizers", tf_keras), ("keras.src.optimizers", keras3))
+            if module in sys.modules and keras() is not None]
+
+
 def keras_of(optimizer):
     """The Keras package `optimizer` belongs to (tf_keras or Keras 3), or raises TypeError."""
-    for keras in (tf_keras(), keras3()):
-        if keras is not None and isinstance(optimizer, keras.optimizers.Optimizer):
+    for keras in kerases_in_use():
+        if isinstance(optimizer, keras.optimizers.Optimizer):
             return keras
     raise TypeError(f"optimizer must be a Keras optimizer (keras.optimizers.* of Keras 3, or "
                     f"tf_keras.optimizers.* / tf.keras.optimizers.* under TF_USE_LEGACY_KERAS=1), got "
@@ -54,22 +63,18 @@ def keras_of(optimizer):
 
 
 def is_keras3(optimizer):
-    return keras3() is not None and isinstance(optimizer, keras3().optimizers.Optimizer)
+    return keras_of(optimizer).__name__ == "keras"
 
 
 def loss_scale_optimizer_classes():
-    """LossScaleOptimizer of each installed Keras."""
-    classes = []
-    if tf_keras() is not None:
-        classes.append(tf_keras().mixed_precision.LossScaleOptimizer)
-    if keras3() is not None:
-        classes.append(keras3().optimizers.LossScaleOptimizer)
-    return tuple(classes)
+    """LossScaleOptimizer of each Keras in use."""
+    return tuple(keras.optimizers.LossScaleOptimizer if keras.__name__ == "keras" else
+                 keras.mixed_precision.LossScaleOptimizer for keras in kerases_in_use())
 
 
 def sgd_classes():
-    """SGD of each installed Keras."""
-    return tuple(keras.optimizers.SGD for keras in (tf_keras(), keras3()) if keras is not None)
+    """SGD of each Keras in use."""
+    return tuple(keras.optimizers.SGD for keras in kerases_in_use())
 
 
 def wrapper_class(optimizer, core):

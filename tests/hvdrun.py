@@ -29,15 +29,20 @@ LAUNCHERS = ("gloo", "mpi")
 KERASES = {"tf_keras": {"TF_USE_LEGACY_KERAS": "1"}, "keras3": {"TF_USE_LEGACY_KERAS": "0"}}
 #: Every method, as the workers name them.
 METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "sgp"]
-#: The smoke subset on the second Keras: where a test runs every method in tf_keras, Keras 3 runs
-#: one method per kind of state (onebit's server-residual shards, top-k's per-rank residual,
-#: PowerSGD's replicated Q, SGP's PushSum weight); all of them pass through the same Keras 3 entry,
-#: and every method's update rule is checked in both Kerases (test_optimizer.py).
-KERAS3_METHODS = ["onebit", "topk", "powersgd", "sgp"]
+#: One method per kind of state: onebit's server-residual shards, top-k's per-rank residual,
+#: PowerSGD's replicated Q, SGP's PushSum weight. The smoke subset on the second Keras (where a test
+#: runs every method in tf_keras, Keras 3 runs these; all of them pass through the same Keras 3
+#: entry, and every method's update rule is checked in both Kerases, test_optimizer.py), and the
+#: methods resumed at another world size.
+ONE_PER_STATE_KIND = ["onebit", "topk", "powersgd", "sgp"]
+
+
+#: Epochs of the digits runs held next to the uncompressed baseline (workers/train_digits.py).
+DIGITS_EPOCHS = 16
 
 
 def methods_in(keras):
-    return METHODS if keras == "tf_keras" else KERAS3_METHODS
+    return METHODS if keras == "tf_keras" else ONE_PER_STATE_KIND
 
 
 def worker_env(extra=None):
@@ -75,6 +80,19 @@ def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
     assert launcher in LAUNCHERS, launcher
     return _launch([*LAUNCHER, "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"],
                    worker, args, np, f"{worker} on {np} ranks ({launcher})", timeout, env)
+
+
+def check_identical_per_world_size(results, world_sizes):
+    """For workers that run several world sizes in one launch (workers/_worker.init_world_sizes)
+    and report {"digests": {"<n>/<case>": digest}}: every size in `world_sizes` ran, each case on
+    all of its n ranks, which hold bit-identical results."""
+    by_case = {}
+    for result in results:
+        for case, digest in result["digests"].items():
+            by_case.setdefault(case, []).append(digest)
+    assert {int(case.split("/")[0]) for case in by_case} == set(world_sizes), sorted(by_case)
+    for case, digests in by_case.items():
+        assert len(digests) == int(case.split("/")[0]) and len(set(digests)) == 1, (case, digests)
 
 
 def run_elastic(worker, *args, np=3, min_np=2, timeout=300, env=None):

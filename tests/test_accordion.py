@@ -53,22 +53,29 @@ def test_adaptive_compression_needs_the_regime_of_every_variable():
                                RegimeDetector(groups="model"))
 
 
-@pytest.mark.parametrize("np_", [2])
-def test_switching_keeps_error_feedback_and_matches_numpy(np_):
+@pytest.fixture(scope="module")
+def tf_keras_checks():
+    """workers/accordion.py's rules, fit and batch checks in one tf_keras launch on 2 ranks:
+    per-rank {check: results}."""
+    return run_ranks("accordion.py", "--checks=rules,fit,batch", np=2, timeout=400, env=KERASES["tf_keras"])
+
+
+def test_switching_keeps_error_feedback_and_matches_numpy(tf_keras_checks):
     """Forced switches every step or two: onebit <-> none (dist-EF-SGD), PowerSGD rank 3 <-> 1,
     top-k 20% <-> 2%, against NumPy; the step is traced once."""
-    results = run_ranks("accordion.py", "--check=rules", np=np_)
-    assert all(r["digests"] == results[0]["digests"] for r in results)
+    assert all(r["rules"]["digests"] == tf_keras_checks[0]["rules"]["digests"] for r in tf_keras_checks)
 
 
 def test_mpi_ranks_switch_alike():
-    results = run_ranks("accordion.py", "--check=rules", np=2, launcher="mpi")
+    results = [r["rules"] for r in run_ranks("accordion.py", "--checks=rules", np=2, launcher="mpi")]
     assert results[0]["digests"] == results[1]["digests"]
 
 
 @pytest.mark.parametrize("keras", list(KERASES))
-def test_callback_decides_alike_on_every_rank_without_retracing(keras):
-    results = run_ranks("accordion.py", "--check=fit", np=2, env=KERASES[keras])
+def test_callback_decides_alike_on_every_rank_without_retracing(keras, tf_keras_checks):
+    ranks = tf_keras_checks if keras == "tf_keras" else run_ranks("accordion.py", "--checks=fit", np=2,
+                                                                   env=KERASES[keras])
+    results = [r["fit"] for r in ranks]
     first = results[0]
     assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
     assert first["traces"] == 1
@@ -91,8 +98,8 @@ def test_callback_decides_alike_on_every_rank_without_retracing(keras):
         assert any(key.startswith("accordion_critical/") and key.endswith(f"/{layer}") for key in logs), layer
 
 
-def test_batch_size_variant_follows_the_linear_rule_and_switches():
-    results = run_ranks("accordion.py", "--check=batch", np=2)
+def test_batch_size_variant_follows_the_linear_rule_and_switches(tf_keras_checks):
+    results = [r["batch"] for r in tf_keras_checks]
     first = results[0]
     assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
     assert first["traces"] == 1
@@ -107,8 +114,9 @@ def test_batch_size_variant_follows_the_linear_rule_and_switches():
 def test_resume_keeps_the_detector_history_and_choices(tmp_path):
     """The resumed run sees the rate drop (its last rate comes from the checkpoint), decides
     as the uninterrupted run did and ends with the same parameters and state."""
-    full = run_ranks("accordion.py", "--check=checkpoint", "--phase=full", f"--work_dir={tmp_path}", np=2)
-    resumed = run_ranks("accordion.py", "--check=checkpoint", "--phase=resume", f"--work_dir={tmp_path}", np=2)
+    full, resumed = ([r["checkpoint"] for r in run_ranks("accordion.py", "--checks=checkpoint", f"--phase={phase}",
+                                                         f"--work_dir={tmp_path}", np=2)]
+                     for phase in ("full", "resume"))
     for before, after in zip(full, resumed):
         assert after == before
     assert all(full[0]["decisions"][0]["critical"])  # the drop at epoch 3

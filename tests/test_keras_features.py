@@ -21,7 +21,7 @@ def keras(request):
 @pytest.fixture(scope="module")
 def features(keras):
     """Every case of workers/keras_features.py in this Keras: 2 ranks, one launch; per-rank
-    {case: results}. Keras 3 runs hvdrun.KERAS3_METHODS."""
+    {case: results}. Keras 3 runs hvdrun.ONE_PER_STATE_KIND."""
     return [r["results"] for r in run_ranks("keras_features.py", f"--methods={','.join(methods_in(keras))}", np=2,
                                             timeout=900, env=KERASES[keras])]
 
@@ -127,13 +127,15 @@ def test_wrapping_a_loss_scale_optimizer_names_the_order_that_works():
 
 
 def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horovod_fp16(tmp_path):
-    """examples/keras_text.py, 2 ranks, mixed_float16: onebit two-way next to Horovod's fp16 (seed 0;
-    over seeds 0-2 onebit ended 0.2 points above to 0.2 below, README "Measured")."""
+    """examples/keras_text.py, 2 ranks, mixed_float16, on its first 150k characters (half the time):
+    onebit two-way next to Horovod's fp16 (seed 0: 0.6 points above; over seeds 0-2 from 0.6 above
+    to 0.7 below; on the whole 400k characters 0.2 above to 0.2 below, README "Measured")."""
     results = {}
     for method in ("horovod_fp16", "onebit"):
         out = tmp_path / f"{method}.json"
         cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-               str(TESTS.parent / "examples" / "keras_text.py"), f"--method={method}", f"--result={out}"]
+               str(TESTS.parent / "examples" / "keras_text.py"), f"--method={method}", "--train_chars=150000",
+               f"--result={out}"]
         subprocess.run(cmd, check=True, timeout=600, env=worker_env(), capture_output=True)
         results[method] = json.loads(out.read_text())
     assert results["onebit"]["loss_scale_optimizer"] == "LossScaleOptimizerV3"

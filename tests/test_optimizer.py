@@ -1,20 +1,19 @@
 """hc.DistributedOptimizer under horovodrun: update rules, identical ranks, convergence, bad input."""
 import pytest
 
-from hvdrun import KERASES, run_ranks
-
-EPOCHS = 16
+from hvdrun import DIGITS_EPOCHS, KERASES, check_identical_per_world_size, run_ranks
 
 
-@pytest.mark.parametrize("launcher, np, keras", [("gloo", 2, "tf_keras"), ("gloo", 3, "tf_keras"),
-                                                ("gloo", 4, "tf_keras"), ("mpi", 2, "tf_keras"),
-                                                ("gloo", 2, "keras3"), ("gloo", 3, "keras3")])
-def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, np, keras):
+@pytest.mark.parametrize("launcher, keras, world_sizes", [("gloo", "tf_keras", [2, 3, 4]), ("mpi", "tf_keras", [2]),
+                                                         ("gloo", "keras3", [2, 3])])
+def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, keras, world_sizes):
     """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch and the tape,
     over 6 graph-mode steps with a learning-rate drop, in either Keras, equal the NumPy
-    reference; all ranks end bit-identical."""
-    results = run_ranks("update_rule.py", np=np, launcher=launcher, env=KERASES[keras])
-    assert all(r["digests"] == results[0]["digests"] for r in results)
+    reference; all ranks end bit-identical. The world sizes of a launch run one after another
+    on process sets of its ranks."""
+    results = run_ranks("update_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}", np=max(world_sizes),
+                        launcher=launcher, env=KERASES[keras])
+    check_identical_per_world_size(results, world_sizes)
 
 
 #: Run (tests/workers/train_digits.py) -> at least how many times fewer bytes than the baseline.
@@ -24,28 +23,20 @@ CONVERGING = {"onebit": 8, "onebit_oneway": 8, "topk": 8, "randomk": 8, "powersg
               "sketch": 4}
 
 
-@pytest.fixture(scope="module")
-def gloo_runs():
-    """The uncompressed baseline, every method and onebit under Adam: 2 ranks, one launch."""
-    ranks = run_ranks("train_digits.py", f"--runs=none,{','.join(CONVERGING)},onebit_adam", f"--epochs={EPOCHS}",
-                      np=2, timeout=600)
-    return [r["results"] for r in ranks]
-
-
 @pytest.mark.parametrize("run", [pytest.param(run, marks=pytest.mark.xfail(
     reason="sketch recovery: heavy hitters not found yet")) if run == "sketch" else run for run in CONVERGING])
-def test_training_converges_next_to_the_uncompressed_baseline(gloo_runs, run):
-    check_next_to_baseline([r[run] for r in gloo_runs], gloo_runs[0]["none"], CONVERGING[run], run)
+def test_training_converges_next_to_the_uncompressed_baseline(digits_runs, run):
+    check_next_to_baseline([r[run] for r in digits_runs], digits_runs[0]["none"], CONVERGING[run], run)
 
 
-def test_mpi_training_converges_next_to_the_uncompressed_baseline(gloo_runs):
-    ranks = run_ranks("train_digits.py", "--runs=onebit", f"--epochs={EPOCHS}", np=2, launcher="mpi")
-    check_next_to_baseline([r["results"]["onebit"] for r in ranks], gloo_runs[0]["none"], 8, "onebit (mpi)")
+def test_mpi_training_converges_next_to_the_uncompressed_baseline(digits_runs):
+    ranks = run_ranks("train_digits.py", "--runs=onebit", f"--epochs={DIGITS_EPOCHS}", np=2, launcher="mpi")
+    check_next_to_baseline([r["results"]["onebit"] for r in ranks], digits_runs[0]["none"], 8, "onebit (mpi)")
 
 
 def test_keras3_training_converges_next_to_the_uncompressed_baseline():
     """Keras 3: onebit two-way next to Keras 3's uncompressed exchange (the same checks)."""
-    ranks = run_ranks("train_digits.py", "--runs=none,onebit", f"--epochs={EPOCHS}", np=2, env=KERASES["keras3"])
+    ranks = run_ranks("train_digits.py", "--runs=none,onebit", f"--epochs={DIGITS_EPOCHS}", np=2, env=KERASES["keras3"])
     check_next_to_baseline([r["results"]["onebit"] for r in ranks], ranks[0]["results"]["none"], 8, "keras3 onebit")
 
 
@@ -55,7 +46,7 @@ def check_next_to_baseline(results, baseline, min_ratio, what):
           f"{ours['bytes_per_step']:.0f} vs {baseline['bytes_per_step']:.0f} bytes/step")
     assert ours["accuracy"] >= baseline["accuracy"] - 0.01
     assert ours["bytes_per_step"] <= baseline["bytes_per_step"] / min_ratio
-    assert ours["steps_checked"] == results[1]["steps_checked"] == EPOCHS * 22  # checked after every step
+    assert ours["steps_checked"] == results[1]["steps_checked"] == DIGITS_EPOCHS * 22  # checked after every step
     assert all(r["digest"] == ours["digest"] for r in results)
     assert ours["logged_bytes"] == ours["bytes_per_step"] and ours["logged_residual_norm"] > 0
 
@@ -74,11 +65,11 @@ def test_four_ranks_stay_identical():
     assert ranks[0]["results"]["onebit"]["accuracy"] > 0.85
 
 
-def test_plain_error_feedback_under_adam(gloo_runs):
+def test_plain_error_feedback_under_adam(digits_runs):
     """Not dist-EF-SGD (that is for momentum SGD): EF on gradients, Adam on the mean. It learns,
-    more slowly than Adam itself (measured: 0.88 vs 0.95 after 8 epochs; run here for EPOCHS, in the
-    launch of the other runs)."""
-    results = [r["onebit_adam"] for r in gloo_runs]
+    more slowly than Adam itself (measured: 0.88 vs 0.95 after 8 epochs; run here for DIGITS_EPOCHS,
+    in the launch of the other runs)."""
+    results = [r["onebit_adam"] for r in digits_runs]
     assert len({r["digest"] for r in results}) == 1
     assert results[0]["accuracy"] > 0.8
 

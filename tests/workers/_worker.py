@@ -13,6 +13,24 @@ flags.DEFINE_string("out_dir", None, "Where each rank writes rank<N>.json.")
 FLAGS = flags.FLAGS
 
 
+def launch_size():
+    """The number of ranks launched, known before hvd.init() (horovodrun's Gloo or MPI launcher)."""
+    return int(os.environ.get("HOROVOD_SIZE") or os.environ["OMPI_COMM_WORLD_SIZE"])
+
+
+def init_world_sizes(world_sizes):
+    """hvd.init() with one process set of ranks 0..n-1 per world size n in `world_sizes` (the
+    launch's own size: the global set), so one launch covers several world sizes. Returns
+    {n: process set} of those this rank belongs to, smallest first."""
+    ranks = launch_size()
+    assert all(1 <= n <= ranks for n in world_sizes), (world_sizes, ranks)
+    process_sets = {n: hvd_tf.ProcessSet(list(range(n))) for n in set(world_sizes) if n < ranks}
+    hvd_tf.init(process_sets=list(process_sets.values()))
+    if ranks in world_sizes:
+        process_sets[ranks] = hvd_tf.global_process_set
+    return {n: ps for n, ps in sorted(process_sets.items()) if ps.included()}
+
+
 def keras_and_broadcast():
     """The Keras `tf.keras` is (TF_USE_LEGACY_KERAS decides, as for users), and the callback that
     broadcasts rank 0's initial state which its users add: Horovod's own for tf_keras,
@@ -55,16 +73,28 @@ def weights_digest(model):
 
 
 class IdenticalRanks(tf.keras.callbacks.Callback):
-    """After every batch: every rank must hold bit-identical weights (counted in `checked`).
-    Skipped for SGP, whose ranks agree only after gossip.consensus."""
+    """Every rank must hold bit-identical weights after every batch (counted in `checked`).
+    Skipped for SGP, whose ranks agree only after gossip.consensus.
+
+    Each rank records its weights' digest after every batch; the ranks compare their records at
+    the end of each epoch (one collective an epoch: one a batch made the ranks wait for each
+    other at every step, a third of a digits run's time) and fail naming the first batch at
+    which they differed."""
 
     def __init__(self, method):
         super().__init__()
-        self.method, self.checked = method, 0
+        self.method, self.checked, self.recorded = method, 0, []
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.method != "sgp":
+            self.recorded.append(weights_digest(self.model))
+
+    def on_epoch_end(self, epoch, logs=None):
         if self.method == "sgp":
             return
-        everyone = hvd_tf.allgather_object(weights_digest(self.model), name="identical_ranks")
-        assert len(set(everyone)) == 1, f"{self.method}: ranks differ after batch {batch}"
-        self.checked += 1
+        everyone = hvd_tf.allgather_object(self.recorded, name="identical_ranks")
+        assert len({len(r) for r in everyone}) == 1, f"{self.method}: ranks ran {[len(r) for r in everyone]} batches"
+        for batch, digests in enumerate(zip(*everyone)):
+            assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch} of epoch {epoch}"
+        self.checked += len(self.recorded)
+        self.recorded = []

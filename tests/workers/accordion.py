@@ -1,6 +1,8 @@
 """Accordion on several ranks: the update rules across switches against NumPy, the Keras
 callbacks in model.fit (same decisions and parameters on every rank, no retrace), the
-batch-size variant's linear rule, and checkpoint/resume of the detector."""
+batch-size variant's linear rule, and checkpoint/resume of the detector.
+
+Runs each check in --checks, one after another in this process; reports {check: results}."""
 import hashlib
 import pathlib
 
@@ -17,7 +19,8 @@ from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetecto
 
 import digits
 
-flags.DEFINE_enum("check", "rules", ["rules", "fit", "batch", "checkpoint"], "What to run.")
+CHECKS = ["rules", "fit", "batch", "checkpoint"]
+flags.DEFINE_list("checks", "rules", f"What to run, in this order: any of {', '.join(CHECKS)}.")
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
 flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
 FLAGS = flags.FLAGS
@@ -102,7 +105,7 @@ def check_rules():
     w, b, _ = run_switching(hc.Compression.sketch(ratio=2, seed=5), hc.Compression.sketch(ratio=6, seed=5))
     assert np.all(np.isfinite(w)) and np.count_nonzero(w) > 0.05 * w.size
     digests["sketch"] = digest([w, b])
-    report(hvd, digests=digests)
+    return dict(digests=digests)
 
 
 def fixed_batches(batch_size):
@@ -150,11 +153,11 @@ def check_fit():
                         verbose=0)
     exchange = opt.compression_exchange
     bytes_by_setting = [[ex.bytes_sent for ex in alternatives] for alternatives in exchange.alternatives]
-    report(hvd, model=digest(model.get_weights()), decisions=accordion.decisions,
-           traces=opt.traces,
-           logs={key: [float(v) for v in values] for key, values in history.history.items()},
-           bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
-           steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
+    return dict(model=digest(model.get_weights()), decisions=accordion.decisions,
+                traces=opt.traces,
+                logs={key: [float(v) for v in values] for key, values in history.history.items()},
+                bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
+                steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
 
 
 def check_batch():
@@ -179,10 +182,9 @@ def check_batch():
     model, opt = compiled_cnn(compression=hc.Compression.onebit(), lr=0.02)
     callback = hc.callbacks.AccordionBatchSize(8, 32)
     history = model.fit(train, epochs=6, callbacks=[lr_drop_at(5, 0.02), callback], verbose=0)
-    report(hvd, model=digest(model.get_weights()), decisions=callback.decisions,
-           iterations=int(opt.iterations.numpy()), steps_per_epoch=steps,
-           traces=opt.traces,
-           logs={key: [float(v) for v in values] for key, values in history.history.items()})
+    return dict(model=digest(model.get_weights()), decisions=callback.decisions,
+                iterations=int(opt.iterations.numpy()), steps_per_epoch=steps, traces=opt.traces,
+                logs={key: [float(v) for v in values] for key, values in history.history.items()})
 
 
 def check_checkpoint():
@@ -204,14 +206,16 @@ def check_checkpoint():
         first = 3
     model.fit(train, initial_epoch=first, epochs=6, callbacks=callbacks, verbose=0)
     detector = accordion.detector
-    report(hvd, model=digest(model.get_weights()), optimizer=digest([v.numpy() for v in opt.variables]),
-           decisions=[d for d in accordion.decisions if d["epoch"] >= 3],
-           bytes_total=float(detector.bytes_total.numpy()), previous_norms=detector.previous_norms.numpy().tolist())
+    return dict(model=digest(model.get_weights()), optimizer=digest([v.numpy() for v in opt.variables]),
+                decisions=[d for d in accordion.decisions if d["epoch"] >= 3],
+                bytes_total=float(detector.bytes_total.numpy()),
+                previous_norms=detector.previous_norms.numpy().tolist())
 
 
 def main(_):
     hvd.init()
-    {"rules": check_rules, "fit": check_fit, "batch": check_batch, "checkpoint": check_checkpoint}[FLAGS.check]()
+    run = {"rules": check_rules, "fit": check_fit, "batch": check_batch, "checkpoint": check_checkpoint}
+    report(hvd, **{check: run[check]() for check in FLAGS.checks})
 
 
 if __name__ == "__main__":

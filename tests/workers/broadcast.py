@@ -17,7 +17,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import keras_and_broadcast, report, weights_digest
+from _worker import IdenticalRanks, keras_and_broadcast, report
 
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,sgp", "Methods to run.")
 flags.DEFINE_bool("hc_callback", False, "Use hc.callbacks.BroadcastGlobalVariablesCallback in tf_keras too "
@@ -52,19 +52,16 @@ def digest(arrays):
     return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
 
 
-class Watch(tf.keras.callbacks.Callback):
-    """After every batch: identical weights on every rank (not SGP); after batch 1: the per-rank
-    state's digest."""
+class Watch(IdenticalRanks):
+    """Identical weights on every rank after every batch (not SGP, IdenticalRanks); after batch
+    1: the per-rank state's digest."""
 
     def __init__(self, method):
-        super().__init__()
-        self.method, self.checked, self.state_after_step_2 = method, 0, None
+        super().__init__(method)
+        self.state_after_step_2 = None
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.method != "sgp":
-            digests = hvd.allgather_object(weights_digest(self.model), name="watch.weights")
-            assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch}"
-            self.checked += 1
+        super().on_train_batch_end(batch, logs)
         if batch == 1:
             self.state_after_step_2 = digest(v.numpy() for v in compared_state(self.model.optimizer))
 

@@ -4,7 +4,6 @@ that come out empty) against the NumPy reference, on every rank; one-way and blo
 One launch covers every world size from 1 to the number of ranks: each size n runs on the
 Horovod process set of ranks 0..n-1 (hc.DistributedOptimizer's process_set=)."""
 import hashlib
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -13,7 +12,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
-from _worker import report
+from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_list("sizes", "1,5,7,9,17,23,63,65,1031,1919", "Bucket sizes (elements).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: 1 to the number of ranks).")
@@ -50,16 +49,9 @@ def reference(d, two_way, block_size, n):
 
 
 def main(_):
-    ranks = int(os.environ["HOROVOD_SIZE"])  # hvd.init needs the process sets before it runs
-    world_sizes = [int(n) for n in FLAGS.world_sizes or range(1, ranks + 1)]
-    process_sets = {n: hvd.ProcessSet(list(range(n))) for n in world_sizes if n < ranks}
-    hvd.init(process_sets=list(process_sets.values()))
-    if ranks in world_sizes:
-        process_sets[ranks] = hvd.global_process_set
+    ranks = launch_size()
     digests, empty_shards = {}, {}
-    for n, process_set in sorted(process_sets.items()):
-        if not process_set.included():
-            continue
+    for n, process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or range(1, ranks + 1)]).items():
         sizes = [int(d) for d in FLAGS.sizes]
         empty_shards[n] = sum(int(hc.exchange.shard_cuts(d, n)[-2] == d) for d in sizes)
         variants = {"two_way": (True, None), "two_way_blocks": (True, 4), "one_way": (False, None)}

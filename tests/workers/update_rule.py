@@ -1,5 +1,8 @@
 """hc.DistributedOptimizer's step against the NumPy reference of the update rules, over several
-steps in graph mode with a learning-rate schedule, on every rank."""
+steps in graph mode with a learning-rate schedule, on every rank.
+
+One launch covers several world sizes (--world_sizes): each size n runs on the Horovod process set
+of ranks 0..n-1 (the optimizer's process_set=); reports {"n/case": digest}."""
 import hashlib
 
 import numpy as np
@@ -9,9 +12,10 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
-from _worker import report
+from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
+flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
 FLAGS = flags.FLAGS
 SHAPE, DENSE, MU = (60, 50), 10, 0.9
 BOUNDARIES, RATES = [2], [0.1, 0.05]
@@ -22,21 +26,22 @@ def grads_of(rank, step):
     return (rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(DENSE).astype(np.float32))
 
 
-def run(compression, two_way, nesterov):
+def run(compression, two_way, nesterov, process_set):
     """Trains the two variables with hc; returns the final values."""
     keras = tf.keras  # tf_keras or Keras 3: TF_USE_LEGACY_KERAS decides
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=nesterov),
-                                  compression=compression, two_way=two_way)
+                                  compression=compression, two_way=two_way, process_set=process_set,
+                                  name=f"hc.n{process_set.size()}")
 
     @tf.function
     def step(gw, gb):
         opt.apply_gradients([(gw, w), (gb, b)])
 
     for t in range(FLAGS.steps):
-        step(*map(tf.constant, grads_of(hvd.rank(), t)))
+        step(*map(tf.constant, grads_of(process_set.rank(), t)))
     assert opt.compression_exchange.layout.compressed == [0] and opt.compression_exchange.layout.dense == [1]
     return w.numpy().reshape(-1), b.numpy()
 
@@ -102,10 +107,11 @@ def reference_powersgd(compression, size, nesterov, schedule=None):
     return x
 
 
-def run_tape(block_size):
+def run_tape(block_size, process_set):
     """A custom loop: DistributedGradientTape with a GradientExchange, then plain SGD."""
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size), two_way=True)
+    exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size), two_way=True,
+                                   process_set=process_set, name=f"hc.tape.n{process_set.size()}")
     sgd = tf.keras.optimizers.SGD(0.1)
 
     @tf.function
@@ -116,7 +122,7 @@ def run_tape(block_size):
         sgd.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
 
     for t in range(FLAGS.steps):
-        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+        step(tf.constant(grads_of(process_set.rank(), t)[0]))
     return w.numpy().reshape(-1)
 
 
@@ -132,13 +138,14 @@ def reference_tape(block_size, size):
     return x
 
 
-def run_sketch(compression):
+def run_sketch(compression, process_set):
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True),
-                                  compression=compression)
+                                  compression=compression, process_set=process_set,
+                                  name=f"hc.sketch.n{process_set.size()}")
     step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
     for t in range(FLAGS.steps):
-        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+        step(tf.constant(grads_of(process_set.rank(), t)[0]))
     return w.numpy().reshape(-1), opt.compression_exchange.exchanges[0]
 
 
@@ -153,9 +160,9 @@ def reference_sketch_on_the_concatenated_batch(exchange, size):
     return x
 
 
-def main(_):
-    hvd.init()
-    size, digests = hvd.size(), {}
+def check_world(process_set, digests):
+    """Every update rule on `process_set` against its reference; adds "n/case": digest."""
+    size = process_set.size()
     cases = {
         "onebit two-way nesterov": (hc.Compression.onebit(), True, True,
                                     lambda: reference_onebit(None, True, True, size)),
@@ -171,20 +178,26 @@ def main(_):
                      lambda: reference_powersgd(hc.Compression.powersgd(rank=3, seed=2), size, True)),
     }
     for name, (compression, two_way, nesterov, reference) in cases.items():
-        w, b = run(compression, two_way, nesterov)
+        w, b = run(compression, two_way, nesterov, process_set)
         want = reference()
-        np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"n={size} {name}")
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
-        digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    w, ex = run_sketch(hc.Compression.sketch(ratio=6, seed=5))
+        digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    w, ex = run_sketch(hc.Compression.sketch(ratio=6, seed=5), process_set)
     want = reference_sketch_on_the_concatenated_batch(ex, size)
     assert np.count_nonzero(w) > ex.k  # several steps of k coordinates each
-    np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg="sketch")
-    digests["sketch"] = hashlib.sha256(w.tobytes()).hexdigest()
-    w = run_tape(128)
-    np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg="tape")
-    digests["tape"] = hashlib.sha256(w.tobytes()).hexdigest()
+    np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg=f"n={size} sketch")
+    digests[f"{size}/sketch"] = hashlib.sha256(w.tobytes()).hexdigest()
+    w = run_tape(128, process_set)
+    np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg=f"n={size} tape")
+    digests[f"{size}/tape"] = hashlib.sha256(w.tobytes()).hexdigest()
+
+
+def main(_):
+    digests = {}
+    for process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]]).values():
+        check_world(process_set, digests)
     report(hvd, digests=digests)
 
 
