@@ -63,6 +63,7 @@ def keras_of(optimizer):
 
 
 def is_keras3(optimizer):
+    """Whether `optimizer` is a Keras 3 optimizer (TypeError, as keras_of, if it is no Keras optimizer)."""
     return keras_of(optimizer).__name__ == "keras"
 
 

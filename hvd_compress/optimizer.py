@@ -690,7 +690,8 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
     saying so. Per-rank checkpoints (tf.train.Checkpoint, save_weights in the
     TF format) resume exactly.
     """
-    keras = keras3() if str(filepath).endswith(".keras") else require_legacy_keras()
+    is_keras3_file = str(filepath).endswith(".keras")
+    keras = keras3() if is_keras3_file else require_legacy_keras()
 
     def wrapped(cls, config):
         if optimizer_wrapper is not None:
@@ -698,7 +699,7 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
         return DistributedOptimizer(cls.from_config(config), compression=compression, **distributed_kwargs)
 
     def wrap(cls):
-        if keras is keras3():  # Keras 3 wants a class with from_config
+        if is_keras3_file:  # Keras 3 wants a class with from_config
             return type(cls.__name__, (), {"from_config": staticmethod(lambda config: wrapped(cls, config))})
         return lambda **config: wrapped(cls, config)
 
@@ -714,6 +715,6 @@ def load_model(filepath, compression=Compression.none, custom_optimizers=None, c
         # not to this new one, so restore it here; the slots created at the first step are
         # filled in then (deferred restoration).
         tf.train.Checkpoint(root=model).restore(variables).expect_partial()
-    if keras is not keras3():  # Keras 3 calls the optimizer's load_own_variables, which says so
+    if not is_keras3_file:  # Keras 3 calls the optimizer's load_own_variables, which says so
         state.note_model_file(filepath)
     return model

@@ -72,9 +72,11 @@ def test_mpi_ranks_switch_alike():
 
 
 @pytest.mark.parametrize("keras", list(KERASES))
-def test_callback_decides_alike_on_every_rank_without_retracing(keras, tf_keras_checks):
-    ranks = tf_keras_checks if keras == "tf_keras" else run_ranks("accordion.py", "--checks=fit", np=2,
-                                                                   env=KERASES[keras])
+def test_callback_decides_alike_on_every_rank_without_retracing(keras, request):
+    if keras == "tf_keras":
+        ranks = request.getfixturevalue("tf_keras_checks")
+    else:
+        ranks = run_ranks("accordion.py", "--checks=fit", np=2, env=KERASES[keras])
     results = [r["fit"] for r in ranks]
     first = results[0]
     assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)

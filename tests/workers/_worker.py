@@ -14,8 +14,9 @@ FLAGS = flags.FLAGS
 
 
 def launch_size():
-    """The number of ranks launched, known before hvd.init() (horovodrun's Gloo or MPI launcher)."""
-    return int(os.environ.get("HOROVOD_SIZE") or os.environ["OMPI_COMM_WORLD_SIZE"])
+    """The number of ranks launched, known before hvd.init(): horovodrun's Gloo launcher sets
+    HOROVOD_SIZE, MPI launchers their own variable (Open MPI's, or PMI_SIZE)."""
+    return int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ["PMI_SIZE"])
 
 
 def init_world_sizes(world_sizes):

@@ -20,7 +20,11 @@ from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetecto
 import digits
 
 CHECKS = ["rules", "fit", "batch", "checkpoint"]
+# The test of `fit` names its layers as the first CNN of a process gets them: run it before
+# `batch` and `checkpoint`, which build CNNs too.
 flags.DEFINE_list("checks", "rules", f"What to run, in this order: any of {', '.join(CHECKS)}.")
+flags.register_validator("checks", lambda checks: set(checks) <= set(CHECKS),
+                         f"--checks: each must be one of {', '.join(CHECKS)}.")
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
 flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
 FLAGS = flags.FLAGS
