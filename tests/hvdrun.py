@@ -35,8 +35,6 @@ METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "
 #: entry, and every method's update rule is checked in both Kerases, test_optimizer.py), and the
 #: methods resumed at another world size.
 ONE_PER_STATE_KIND = ["onebit", "topk", "powersgd", "sgp"]
-
-
 #: Epochs of the digits runs held next to the uncompressed baseline (workers/train_digits.py).
 DIGITS_EPOCHS = 16
 

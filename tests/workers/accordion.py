@@ -14,7 +14,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 import update_rule as rule
-from _worker import report
+from _worker import define_list_of, report
 from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetector
 
 import digits
@@ -22,9 +22,7 @@ import digits
 CHECKS = ["rules", "fit", "batch", "checkpoint"]
 # The test of `fit` names its layers as the first CNN of a process gets them: run it before
 # `batch` and `checkpoint`, which build CNNs too.
-flags.DEFINE_list("checks", "rules", f"What to run, in this order: any of {', '.join(CHECKS)}.")
-flags.register_validator("checks", lambda checks: set(checks) <= set(CHECKS),
-                         f"--checks: each must be one of {', '.join(CHECKS)}.")
+define_list_of("checks", CHECKS, ["rules"], "What to run.")
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
 flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
 FLAGS = flags.FLAGS

@@ -7,7 +7,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import IdenticalRanks, keras_and_broadcast, report, weights_digest
+from _worker import IdenticalRanks, define_list_of, keras_and_broadcast, report, weights_digest
 
 import digits
 
@@ -23,7 +23,7 @@ RUNS = {
     "onebit_adam": (lambda: hc.Compression.onebit(), True, "adam"),  # plain error feedback under Adam
     "sgp": (None, None, "sgd"),
 }
-flags.DEFINE_list("runs", ["none"], f"Runs, in this order: {', '.join(RUNS)}.")
+define_list_of("runs", RUNS, ["none"], "Runs.")
 flags.DEFINE_integer("epochs", 16, "Epochs of each run.")
 FLAGS = flags.FLAGS
 
@@ -69,8 +69,6 @@ def train(keras, broadcast, run, data):
 
 
 def main(_):
-    unknown = set(FLAGS.runs) - set(RUNS)
-    assert not unknown, f"--runs: unknown {sorted(unknown)}"
     keras, broadcast = keras_and_broadcast()
     hvd.init()
     data = digits.load(0)
