@@ -106,3 +106,25 @@ def test_importing_the_package_leaves_the_choice_of_keras_to_the_user(legacy, ex
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [expected, str(legacy)]
+
+
+def test_a_tf_keras_user_does_not_import_keras_3():
+    """hvd_compress's type checks look only at the Keras whose optimizers are imported: wrapping a
+    tf_keras optimizer, the LossScaleOptimizer of mixed precision around it and a model.fit
+    step leave Keras 3 unimported (it costs about 1.5 s a process)."""
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    code = """
+import sys, numpy as np, tensorflow as tf, horovod.tensorflow as hvd, hvd_compress as hc
+hvd.init()
+keras = tf.keras
+model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+opt = keras.mixed_precision.LossScaleOptimizer(hc.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                                       compression=hc.Compression.onebit()))
+model.compile(optimizer=opt, loss="mse")
+model.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0)
+hc.PushSumOptimizer(keras.optimizers.SGD(0.1))
+print(type(opt.inner_optimizer).__module__, "keras.src.optimizers" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["tf_keras.src.optimizers.sgd", "False"], result.stdout

@@ -14,3 +14,12 @@ def test_allgathered_sign_payloads_decode_to_the_numpy_mean(launcher, np):
 def test_a_hung_rank_fails_fast_with_its_output():
     with pytest.raises(pytest.fail.Exception, match="timed out after 20s"):
         run_ranks("hang.py", np=2, timeout=20)
+
+
+def test_ranks_that_drift_apart_are_caught_at_the_batch_they_differ():
+    """workers/_worker.IdenticalRanks, which the training tests rely on: rank 1 alone nudges a
+    weight after batch 2 of epoch 1; both ranks fail naming that batch (epoch 0 passed)."""
+    results = run_ranks("diverge.py", np=2)
+    for result in results:
+        assert result["caught"] == "onebit: ranks differ after batch 2 of epoch 1", result
+        assert result["checked"] == 4  # epoch 0's 4 batches
