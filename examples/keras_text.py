@@ -39,6 +39,8 @@ flags.DEFINE_integer("block_size", 256, "onebit: elements per scale (0: one scal
 flags.DEFINE_float("topk_ratio", 0.01, "topk: the fraction of coordinates sent (1 / (2 R) sends as many bytes "
                    "as the sketches at ratio R on 2 ranks).")
 flags.DEFINE_float("sketch_ratio", 4.0, "sketch, fetchsgd: compression of bytes per step.")
+flags.DEFINE_bool("apply_candidates", True, "sketch: apply every candidate's exact sum (False: the exact top-k).")
+flags.DEFINE_bool("mask_momentum", True, "sketch: zero the momentum where the update was applied.")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights and shuffling.")
 flags.DEFINE_string("result", None, "Where rank 0 writes accuracy and bytes (JSON).")
 FLAGS = flags.FLAGS
@@ -79,7 +81,9 @@ def optimizer_for(keras):
     compression = {"onebit": lambda: hc.Compression.onebit(block_size=FLAGS.block_size or None),
                    "topk": lambda: hc.Compression.topk(ratio=FLAGS.topk_ratio),
                    "powersgd": lambda: hc.Compression.powersgd(rank=4),
-                   "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed),
+                   "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed,
+                                                           apply_candidates=FLAGS.apply_candidates,
+                                                           mask_momentum=FLAGS.mask_momentum),
                    "fetchsgd": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, mode="fetchsgd", seed=FLAGS.seed),
                    "none": lambda: hc.Compression.none}[FLAGS.method]()
     return hc.DistributedOptimizer(sgd, compression=compression)

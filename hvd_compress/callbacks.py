@@ -70,8 +70,9 @@ class CompressionMetrics(tf_keras.callbacks.Callback):
     - residual_norm: global norm of this rank's error-feedback residuals;
     - with recall=True (Compression.sketch only; off by default: it adds a full
       allreduce per step), the epoch's mean `recall` of the true top-k of the
-      summed vector by the coordinates sketched SGD applied, and `captured_mass`,
-      the share of those top-k coordinates' squared sum that the applied ones hold.
+      summed vector by the coordinates sketched SGD applied (k: the heavy
+      coordinates its candidates are sized for), and `captured_mass`, the share
+      of those top-k coordinates' squared sum that the applied ones hold.
 
     Put it before keras.callbacks.TensorBoard in the callbacks list so
     TensorBoard sees the values.

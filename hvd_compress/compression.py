@@ -255,8 +255,9 @@ class Compression:
 
     @staticmethod
     def sketch(ratio=None, k=None, rows=None, cols=None, candidates=None, second_round=None, seed=0,
-               mode="sketched"):
+               mode="sketched", apply_candidates=None, mask_momentum=None):
         """Count-sketch compression: sketched SGD, or mode="fetchsgd" (hvd_compress.sketch.SketchCompressor)."""
         from hvd_compress.sketch import SketchCompressor  # sketch.py builds on this module
         return SketchCompressor(ratio=ratio, k=k, rows=rows, cols=cols, candidates=candidates,
-                                second_round=second_round, seed=seed, mode=mode)
+                                second_round=second_round, seed=seed, mode=mode, apply_candidates=apply_candidates,
+                                mask_momentum=mask_momentum)

@@ -111,6 +111,9 @@ class Exchange:
     #: True: the worker feeds it error-fed values (and momentum in front) and keeps the residual;
     #: False: it gets plain gradients and keeps error and momentum in its own state
     worker_feedback = True
+    #: True: the worker's momentum is zeroed where Step.applied says the update was applied
+    #: (sketched SGD's momentum masking)
+    masks_momentum = False
 
     def __call__(self, flat, state, step):
         """flat: float32 [n] error-fed values (plain gradients without worker feedback); state:
@@ -320,12 +323,14 @@ class SharedRandomAllreduce(Exchange):
 
 class SketchAllreduce(Exchange):
     """Sketched SGD (hvd_compress/sketch.py): count sketches summed by allreduce, candidates found
-    alike on every rank, their exact sums fetched by a second allreduce, the exact top-k applied."""
+    alike on every rank, their exact sums fetched by a second allreduce and applied (all of them, or
+    the exact top-k among them with apply_candidates=False)."""
 
     def __init__(self, compressor, bucket):
         self.compressor, self.bucket = compressor, bucket
         self.n = bucket.num_elements
         self.k, self.rows, self.cols, self.num_candidates = compressor.sizes(self.n)
+        self.masks_momentum = compressor.mask_momentum
         self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, bucket.size)
                            + (allreduce_bytes(4 * self.num_candidates, bucket.size)
                               if compressor.second_round else 0))
@@ -338,9 +343,11 @@ class SketchAllreduce(Exchange):
         if self.compressor.second_round:
             _, candidates = ops.top_k_abs(estimate, self.num_candidates)
             local = tf.gather(flat, candidates)
-            exact = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
-            values, chosen = ops.top_k_abs(exact, self.k)
-            applied, local = tf.gather(candidates, chosen), tf.gather(local, chosen)
+            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
+            applied = candidates
+            if not self.compressor.apply_candidates:
+                values, chosen = ops.top_k_abs(values, self.k)
+                applied, local = tf.gather(candidates, chosen), tf.gather(local, chosen)
         else:
             _, applied = ops.top_k_abs(estimate, self.k)
             values, local = tf.gather(estimate, applied), tf.gather(flat, applied)

@@ -391,17 +391,19 @@ class GradientExchange(tf.Module):
         result = ex(flat, own_state, step)
         for name, value in result.state.items():
             own_state[name].assign(value)
-        if self.momenta and result.applied is not None:  # sketched SGD: zero u where it applied the update
+        if self.momenta and ex.masks_momentum:  # sketched SGD: zero u where it applied the update
             self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
         if self.recall_totals is not None and result.applied is not None:
-            self._record_recall(flat, result.applied, ex.bucket)
+            self._record_recall(flat, result.applied, ex)
         return result.sent, result.update
 
     def measure_recall(self):
         """Turns on the recall metric (CompressionMetrics(recall=True)) before the first step is
         traced. Each step then also allreduces the whole error-fed vector (a debugging cost) and
         adds to `recall_totals`: the fraction of the true top-k of the summed vector that the applied
-        set holds, and the fraction of those k coordinates' squared mass that it captures."""
+        set holds (k: the heavy coordinates the exchange's candidates are sized for; the applied set
+        holds all the candidates unless apply_candidates=False), and the fraction of those k
+        coordinates' squared mass that it captures."""
         if self.recall_totals is not None:
             return
         if self.traced:
@@ -417,13 +419,13 @@ class GradientExchange(tf.Module):
             object.__setattr__(self, "recall_totals", tf.Variable(tf.zeros([3]), trainable=False,
                                                                   name="hc_recall_totals"))
 
-    def _record_recall(self, flat, applied, bucket):
-        summed = hvd.allreduce(flat, op=hvd.Sum, process_set=self.process_set, name=bucket.name + ".recall")
-        k = int(applied.shape[0])
-        _, true = ops.top_k_abs(summed, k)
-        in_true = ops.scatter_dense(true, tf.ones([k]), bucket.num_elements)
-        recall = tf.reduce_sum(tf.gather(in_true, applied)) / k
-        mass = tf.reduce_sum(tf.square(tf.gather(summed, applied))) / tf.reduce_sum(tf.square(tf.gather(summed, true)))
+    def _record_recall(self, flat, applied, ex):
+        summed = hvd.allreduce(flat, op=hvd.Sum, process_set=self.process_set, name=ex.bucket.name + ".recall")
+        _, true = ops.top_k_abs(summed, ex.k)
+        in_true = tf.gather(ops.scatter_dense(true, tf.ones([ex.k]), ex.bucket.num_elements), applied)
+        recall = tf.reduce_sum(in_true) / ex.k
+        mass = (tf.reduce_sum(in_true * tf.square(tf.gather(summed, applied)))
+                / tf.reduce_sum(tf.square(tf.gather(summed, true))))
         self.recall_totals.assign_add(tf.stack([recall, mass, 1.0]))
 
     def _zero_momentum_at(self, bucket, indices, num_elements):

@@ -191,9 +191,11 @@ class SketchedSGD:
     """Sketched SGD (hvd_compress/sketch.py) for ONE worker: what n workers must equal when this one
     is given the mean of their gradients (the concatenated batch), because sketches are linear."""
 
-    def __init__(self, d, k, rows, cols, candidates, seed, mu, nesterov, second_round=True):
+    def __init__(self, d, k, rows, cols, candidates, seed, mu, nesterov, second_round=True, apply_candidates=True,
+                 mask_momentum=True):
         self.d, self.k, self.rows, self.cols, self.seed = d, k, rows, cols, seed
-        self.candidates, self.second_round = candidates, second_round
+        self.candidates, self.second_round, self.apply_candidates = candidates, second_round, apply_candidates
+        self.mask_momentum = mask_momentum
         self.mu, self.nesterov = np.float32(mu), nesterov
         self.u = np.zeros(d, np.float32)
         self.e = np.zeros(d, np.float32)
@@ -206,9 +208,10 @@ class SketchedSGD:
         sketch = count_sketch(a, self.rows, self.cols, self.seed, self.t)
         estimate = count_sketch_query(sketch, self.d, self.seed, self.t)
         self.t += 1
-        if self.second_round:  # the exact top-k among the candidates
-            _, candidates = top_k_abs(estimate, self.candidates)
-            idx = candidates[top_k_abs(a[candidates], self.k)[1]]
+        if self.second_round:  # every candidate at its exact sum, or the exact top-k among them
+            _, idx = top_k_abs(estimate, self.candidates)
+            if not self.apply_candidates:
+                idx = idx[top_k_abs(a[idx], self.k)[1]]
             values = a[idx]
         else:  # the sketch's own top-k, at its estimates
             _, idx = top_k_abs(estimate, self.k)
@@ -216,7 +219,8 @@ class SketchedSGD:
         x[idx] -= values
         self.e = a.copy()
         self.e[idx] = 0
-        self.u[idx] = 0
+        if self.mask_momentum:
+            self.u[idx] = 0
         return idx
 
 

@@ -28,12 +28,13 @@ def digits_runs():
 
 
 #: Run (tests/workers/train_digits.py) -> (at least how many times fewer bytes than the baseline, at
-#: most how many points of accuracy below it). Sketched SGD at 4x as the paper claims it: no loss. At
-#: 8x the paper loses about a point; here it lost 3.6 (seed 0) and 0.0 (seed 1), so 8x is held to
-#: training next to the baseline within 4 points (it used to collapse to 0.10; README, "Measured").
-#: FetchSGD at 4x lost 0.0, 1.7 and 0.6 points with seeds 0, 1, 2: held to 2.
+#: most how many points of accuracy below it). Sketched SGD as the paper claims it: no loss at 4x,
+#: about a point at 8x (held to 1.5; measured with hash seeds 0, 1, 2: +0.0 to +0.3 points at 4x,
+#: +0.3 to +1.1 at 8x; applying only the exact top-k of the candidates, the paper's rule, it
+#: diverged at 8x with seed 0: README, "Measured"). FetchSGD at 4x lost 0.0, 1.7 and 0.6 points
+#: with seeds 0, 1, 2: held to 2.
 CONVERGING = {"onebit": (8, 1), "onebit_oneway": (8, 1), "topk": (8, 1), "randomk": (8, 1), "powersgd": (4, 1),
-              "sketch": (4, 0.5), "sketch8": (8, 4), "fetchsgd": (4, 2)}
+              "sketch": (4, 0.5), "sketch8": (8, 1.5), "fetchsgd": (4, 2)}
 
 
 @pytest.mark.parametrize("run", CONVERGING)
@@ -45,8 +46,8 @@ def test_training_converges_next_to_the_uncompressed_baseline(digits_runs, run):
 @pytest.mark.parametrize("run, ratio", [("sketch", 4.5), ("sketch8", 10)])
 def test_sketched_sgd_logs_the_recall_of_the_true_top_k(digits_runs, run, ratio):
     """CompressionMetrics(recall=True) on every epoch of the 2-rank digits runs: a fraction, the same
-    on both ranks, and at least 10x chance (k/d = 1/(50 ratio)) in the last epoch. Measured: 0.23 at
-    4x and 0.12 at 8x; with the hashes fixed across steps it fell to 0.01-0.02 (docs/design.md)."""
+    on both ranks, and at least 10x chance (k/d = 1/(50 ratio)) in the last epoch. Measured: 0.20 at
+    4x and 0.11 at 8x; with the hashes fixed across steps it fell to 0.01-0.02 (docs/design.md)."""
     first, second = (r[run] for r in digits_runs)
     for key in ("recall", "captured_mass"):
         assert len(first[key]) == DIGITS_EPOCHS and all(0 <= v <= 1 for v in first[key]), (key, first[key])

@@ -180,6 +180,11 @@ def test_a_tapes_exchange_counts_its_own_steps():
     (dict(ratio=4, mode="fetch"), "mode must be one of"),
     (dict(ratio=4, mode="fetchsgd", second_round=True), "mode='fetchsgd' runs one round"),
     (dict(ratio=4, mode="fetchsgd", candidates=10), "mode='fetchsgd' runs one round"),
+    (dict(ratio=4, mode="fetchsgd", apply_candidates=True), "apply_candidates .* needs mode='sketched'"),
+    (dict(ratio=4, second_round=False, apply_candidates=False), "apply_candidates .* needs .* second_round=True"),
+    (dict(ratio=4, apply_candidates="all"), r"apply_candidates \(True or False\)"),
+    (dict(ratio=4, mode="fetchsgd", mask_momentum=False), "mask_momentum .* needs mode='sketched'"),
+    (dict(ratio=4, mask_momentum=1), r"mask_momentum \(True or False\)"),
 ])
 def test_sketch_sizes_that_cannot_work_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

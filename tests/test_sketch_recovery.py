@@ -1,7 +1,8 @@
 """Sketched SGD's heavy-hitter recovery (hvd_compress/sketch.py), through the exchange itself on one
 rank (there the summed vector is the rank's own): at the sizes `ratio=` chooses, the applied
-coordinates hold the true top-k of a vector with heavy coordinates in dense noise, where the
-sketch's own top-k (no exact second round) does not. Real error-feedback residuals: the recall
+coordinates (every candidate, or with apply_candidates=False the exact top-k among them) hold the
+true top-k of a vector with heavy coordinates in dense noise, where the sketch's own top-k (no exact
+second round) does not. Real error-feedback residuals: the recall
 metric of the digits runs, test_optimizer.py."""
 import numpy as np
 import pytest
@@ -34,19 +35,19 @@ def planted(k, seed, d=D):
 
 
 def recovered(compression, seeds=(0, 1, 2), d=D):
-    """Per seed: (planted vector, its heavy coordinates, the exchange's Step, k)."""
+    """Per seed: (planted vector, its heavy coordinates, the exchange's Step, the exchange)."""
     ex = sketch_exchange(compression, d)
     for seed in seeds:
         x, heavy = planted(ex.k, seed, d)
-        yield x, heavy, ex(tf.constant(x), {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex.k
+        yield x, heavy, ex(tf.constant(x), {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex
 
 
 def check_recall(second_round, d=D):
     """Mean recall of the true top-k, |applied ∩ heavy| / k, over 3 seeds, >= 0.9 at ratios 4 and 8."""
     for ratio in (4, 8):
         compression = hc.Compression.sketch(ratio=ratio, second_round=second_round, seed=ratio)
-        got = np.mean([len(set(step.applied.numpy()) & set(heavy)) / k
-                       for _, heavy, step, k in recovered(compression, d=d)])
+        got = np.mean([len(set(step.applied.numpy()) & set(heavy)) / ex.k
+                       for _, heavy, step, ex in recovered(compression, d=d)])
         print(f"d={d}, ratio {ratio}, second_round={second_round}: recall {got:.3f}")
         assert got >= 0.9, (ratio, got)
 
@@ -54,11 +55,15 @@ def check_recall(second_round, d=D):
 @pytest.mark.parametrize("d", [D, 3_000_000])  # one region; 6 regions of 62.5K columns (ratio 4)
 def test_the_exact_round_recovers_the_heavy_coordinates_at_ratios_4_and_8(d):
     check_recall(second_round=True, d=d)
-    for x, _, step, k in recovered(hc.Compression.sketch(ratio=4)):
-        applied, update = step.applied.numpy(), step.update.numpy()
-        assert len(applied) == k and np.count_nonzero(update) == k
-        np.testing.assert_array_equal(update[applied], x[applied])  # the exact sums (of one rank)
-        np.testing.assert_array_equal(step.sent.numpy(), update)  # the residual is zero where applied
+    for apply_candidates in (True, False):
+        for x, heavy, step, ex in recovered(hc.Compression.sketch(ratio=4, apply_candidates=apply_candidates)):
+            applied, update = step.applied.numpy(), step.update.numpy()
+            count = ex.num_candidates if apply_candidates else ex.k  # every candidate, or the exact top-k
+            assert len(applied) == len(set(applied)) == count and np.count_nonzero(update) == count
+            np.testing.assert_array_equal(update[applied], x[applied])  # the exact sums (of one rank)
+            np.testing.assert_array_equal(step.sent.numpy(), update)  # the residual is zero where applied
+            if not apply_candidates:  # the exact top-k among candidates that hold the heavy ones
+                assert len(set(applied) & set(heavy)) >= 0.9 * ex.k
 
 
 def test_the_sketch_s_own_top_k_does_not():

@@ -140,9 +140,11 @@ def reference_tape(block_size, size):
 
 def run_sketch(compression, process_set):
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    variant = (f"{compression.mode}{int(compression.second_round)}{int(compression.apply_candidates)}"
+               f"{int(compression.mask_momentum)}")
     opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True),
                                   compression=compression, process_set=process_set,
-                                  name=f"hc.{compression.mode}{int(compression.second_round)}.n{process_set.size()}")
+                                  name=f"hc.{variant}.n{process_set.size()}")
     step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
     for t in range(FLAGS.steps):
         step(tf.constant(grads_of(process_set.rank(), t)[0]))
@@ -154,8 +156,10 @@ def reference_sketch_on_the_concatenated_batch(exchange, size):
     if exchange.compressor.mode == "fetchsgd":
         model = ref.FetchSGD(d, exchange.k, exchange.rows, exchange.cols, exchange.compressor.hash_seed(), MU, True)
     else:
+        compressor = exchange.compressor
         model = ref.SketchedSGD(d, exchange.k, exchange.rows, exchange.cols, exchange.num_candidates,
-                                exchange.compressor.hash_seed(), MU, True, exchange.compressor.second_round)
+                                compressor.hash_seed(), MU, True, compressor.second_round, compressor.apply_candidates,
+                                compressor.mask_momentum)
     x = np.zeros(d, np.float32)
     for t in range(FLAGS.steps):
         mean = np.mean([grads_of(r, t)[0].reshape(-1) for r in range(size)], axis=0, dtype=np.float32)
@@ -187,8 +191,11 @@ def check_world(process_set, digests):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    sketches = {  # exact top-k among candidates; the sketch's top-k at its estimates; FetchSGD
+    sketches = {  # every candidate's exact sum (momentum masked or kept); the exact top-k among them; the
+        # sketch's top-k; FetchSGD
         "sketch second_round=True": hc.Compression.sketch(ratio=6, seed=5),
+        "sketch mask_momentum=False": hc.Compression.sketch(ratio=6, mask_momentum=False, seed=5),
+        "sketch apply_candidates=False": hc.Compression.sketch(ratio=6, apply_candidates=False, seed=5),
         "sketch second_round=False": hc.Compression.sketch(ratio=6, second_round=False, seed=5),
         "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5),
     }
