@@ -11,6 +11,8 @@
 // chunks of i; CountSketchBuckets returns the cells of a few given coordinates.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -163,20 +165,34 @@ inline bool SortsBefore(float a, float b) {
   return a < b || (!std::isnan(a) && std::isnan(b));
 }
 
-// Min and max in the order where NaN sorts last; medians of 3 and 5 from them
-// without branches (a min/max network; any total order satisfies it).
-inline float Lower(float a, float b) { return SortsBefore(b, a) ? b : a; }
-inline float Upper(float a, float b) { return SortsBefore(b, a) ? a : b; }
-inline float Median3(float a, float b, float c) { return Upper(Lower(a, b), Lower(Upper(a, b), c)); }
-inline float Median5(const float* v) {
-  return Median3(v[4], Upper(Lower(v[0], v[1]), Lower(v[2], v[3])), Lower(Upper(v[0], v[1]), Upper(v[2], v[3])));
+// An int32 key per float whose order is the float order with every NaN last
+// (negative floats' magnitude bits flipped; NaN as the largest key), and back.
+// Medians of 3 and 5 take min and max of keys by a network with no branches,
+// so the compiler vectorizes them over a tile (with float compares and NaN
+// checks the branches mispredicted on random data: 0.23 GB/s for 5 rows).
+inline int32_t OrderKey(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits ^= (bits >> 31) & 0x7FFFFFFF;
+  return std::isnan(x) ? INT32_MAX : bits;
+}
+inline float FromOrderKey(int32_t key) {
+  key ^= (key >> 31) & 0x7FFFFFFF;
+  float x;
+  std::memcpy(&x, &key, sizeof x);
+  return x;
+}
+inline int32_t Median3(int32_t a, int32_t b, int32_t c) {
+  return std::max(std::min(a, b), std::min(std::max(a, b), c));
+}
+inline int32_t Median5(int32_t a, int32_t b, int32_t c, int32_t d, int32_t e) {
+  return Median3(e, std::max(std::min(a, b), std::min(c, d)), std::min(std::max(a, b), std::max(c, d)));
 }
 
-// The median of v[0..rows) (v is reordered); for an even count the mean of the
-// two middle values. NaN sorts last, so a NaN in most rows makes it NaN.
+// The median of v[0..rows) for rows other than 3 and 5 (v is reordered); for an
+// even count the mean of the two middle values. NaN sorts last, so a NaN in most
+// rows makes it NaN.
 inline float Median(float* v, int64_t rows) {
-  if (rows == 3) return Median3(v[0], v[1], v[2]);
-  if (rows == 5) return Median5(v);
   for (int64_t a = 1; a < rows; ++a) {  // insertion sort: a handful of rows
     const float u = v[a];
     int64_t b = a;
@@ -216,6 +232,7 @@ class CountSketchQueryOp : public OpKernel {
       // A tile's hashes and every row's values stay in L1 while its medians are taken.
       std::vector<uint32_t> bucket(kTile);
       std::vector<float> ones(kTile, 1.0f), sign(kTile), values(rows * kTile), column(rows);
+      std::vector<int32_t> keyed(rows * kTile);
       for (int64_t c = first; c < last; ++c) {
         const int64_t end = std::min(n, (c + 1) * kChunk);
         for (int64_t lo = c * kChunk; lo < end; lo += kTile) {
@@ -227,8 +244,21 @@ class CountSketchQueryOp : public OpKernel {
             for (int64_t t = 0; t < len; ++t) out[t] = sign[t] * row[bucket[t]];
           }
           if (rows == 1) continue;
+          const float* v = values.data();
+          if (rows == 3 || rows == 5) {  // a min/max network over keys, vectorized over t
+            for (int64_t j = 0; j < rows; ++j) {
+              for (int64_t t = 0; t < len; ++t) keyed[j * len + t] = OrderKey(v[j * kTile + t]);
+            }
+            const int32_t* k = keyed.data();
+            for (int64_t t = 0; t < len; ++t) {
+              estimate[lo + t] = FromOrderKey(
+                  rows == 3 ? Median3(k[t], k[len + t], k[2 * len + t])
+                            : Median5(k[t], k[len + t], k[2 * len + t], k[3 * len + t], k[4 * len + t]));
+            }
+            continue;
+          }
           for (int64_t t = 0; t < len; ++t) {
-            for (int64_t j = 0; j < rows; ++j) column[j] = values[j * kTile + t];
+            for (int64_t j = 0; j < rows; ++j) column[j] = v[j * kTile + t];
             estimate[lo + t] = Median(column.data(), rows);
           }
         }
