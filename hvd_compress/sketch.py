@@ -65,9 +65,10 @@ class SketchCompressor(StatefulCompressor):
     Either `ratio` (the compression of bytes per step versus fp32, e.g. 4), and
     everything else chosen from each bucket's size d: F = d / ratio floats per
     step. Sketched SGD spends half on the sketch (rows x cols, rows = 1) and half
-    on the second round's P k candidates (P = 25, so k = F / 50 coordinates are
-    applied); without a second round k is the same and the sketch takes all F.
-    FetchSGD applies as many, k = F / 50, and its sketch takes all F in 5 rows.
+    on the second round's P k candidates (P = 25 and k = F / 50 heavy coordinates:
+    F / 2 candidates); without a second round the sketch's top k = F / 50 are applied
+    and the sketch takes all F. FetchSGD applies k = F / 50 too, and its sketch
+    takes all F in 5 rows.
     Or explicit `k`, `cols` (and `rows`, `candidates`). Sketched SGD applies every
     candidate's exact sum (`apply_candidates=True`), or only the exact top k among
     them (`apply_candidates=False`, the paper's rule). Under momentum SGD it zeroes
@@ -140,7 +141,7 @@ class SketchCompressor(StatefulCompressor):
         the candidates unless apply_candidates=False, then k of them."""
         if self.ratio is None:
             k, cols = self.k, self.cols
-        else:  # k = F / 50 applied either way; the sketch takes what the candidates leave
+        else:  # k = F / 50 either way; the sketch takes what the candidates leave
             floats = num_elements / self.ratio
             per_k = self.candidates if self.second_round else DEFAULT_CANDIDATES
             k = max(1, math.floor(floats * (1 - SKETCH_SHARE) / per_k))
