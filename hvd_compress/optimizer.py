@@ -41,8 +41,8 @@ Update rules:
   learning-rate drop they still carry what was left over at the old rate,
   as in the paper; nothing is rescaled.
 - sketch under SGD: sketched SGD (Ivkin et al., NeurIPS 2019), the same
-  rule with a = lr u + e where u is the worker's momentum, and both u and e
-  zeroed where the update was applied (hvd_compress/sketch.py).
+  rule with a = lr u + e where u is the worker's momentum, e zeroed where the
+  update was applied and u too unless mask_momentum=False (hvd_compress/sketch.py).
 - Everything else (onebit or sketch under Adam etc., top-k, random-k, PowerSGD): plain error
   feedback on gradients, a_i = g_i + e_i, D_i = C(a_i), e_i = a_i - D_i, and
   the mean D (server-compressed again for two-way onebit) is handed to the
@@ -392,6 +392,9 @@ class GradientExchange(tf.Module):
         for name, value in result.state.items():
             own_state[name].assign(value)
         if self.momenta and ex.masks_momentum:  # sketched SGD: zero u where it applied the update
+            if result.applied is None:
+                raise TypeError(f"{type(ex).__name__} masks momentum but its Step says nowhere where the update "
+                                f"was applied: return Step(..., applied=indices).")
             self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
         if self.recall_totals is not None and result.applied is not None:
             self._record_recall(flat, result.applied, ex)
@@ -424,8 +427,8 @@ class GradientExchange(tf.Module):
         _, true = ops.top_k_abs(summed, ex.k)
         in_true = tf.gather(ops.scatter_dense(true, tf.ones([ex.k]), ex.bucket.num_elements), applied)
         recall = tf.reduce_sum(in_true) / ex.k
-        mass = (tf.reduce_sum(in_true * tf.square(tf.gather(summed, applied)))
-                / tf.reduce_sum(tf.square(tf.gather(summed, true))))
+        mass = tf.math.divide_no_nan(tf.reduce_sum(in_true * tf.square(tf.gather(summed, applied))),
+                                     tf.reduce_sum(tf.square(tf.gather(summed, true))))  # 0 for a zero vector
         self.recall_totals.assign_add(tf.stack([recall, mass, 1.0]))
 
     def _zero_momentum_at(self, bucket, indices, num_elements):

@@ -141,7 +141,10 @@ def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horo
         cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                str(TESTS.parent / "examples" / "keras_text.py"), f"--method={method}", "--train_chars=150000",
                f"--result={out}"]
-        subprocess.run(cmd, check=True, timeout=600, env=worker_env(), capture_output=True)
+        # oneDNN's float16 kernels: 303 ms a step on this machine's CPU (AVX512-FP16, AMX) under TF
+        # 2.21, against 44 ms with TensorFlow's own (measured on 30k characters, horovod_fp16)
+        subprocess.run(cmd, check=True, timeout=600, env=worker_env({"TF_ENABLE_ONEDNN_OPTS": "0"}),
+                       capture_output=True)
         results[method] = json.loads(out.read_text())
     assert results["onebit"]["loss_scale_optimizer"] == "LossScaleOptimizerV3"
     assert results["onebit"]["test_accuracy"] >= results["horovod_fp16"]["test_accuracy"] - 0.01, results

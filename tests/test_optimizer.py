@@ -43,17 +43,18 @@ def test_training_converges_next_to_the_uncompressed_baseline(digits_runs, run):
     check_next_to_baseline([r[run] for r in digits_runs], digits_runs[0]["none"], min_ratio, run, max_loss)
 
 
-@pytest.mark.parametrize("run, ratio", [("sketch", 4.5), ("sketch8", 10)])
-def test_sketched_sgd_logs_the_recall_of_the_true_top_k(digits_runs, run, ratio):
+@pytest.mark.parametrize("run, min_recall", [("sketch", 0.45), ("sketch8", 0.25)])
+def test_sketched_sgd_logs_the_recall_of_the_true_top_k(digits_runs, run, min_recall):
     """CompressionMetrics(recall=True) on every epoch of the 2-rank digits runs: a fraction, the same
-    on both ranks, and at least 10x chance (k/d = 1/(50 ratio)) in the last epoch. Measured with
-    seeds 0-2: 0.57-0.62 at 4x and 0.34-0.37 at 8x (0.22-0.24 and 0.11-0.14 when only the exact top-k
-    is applied; with the hashes fixed across steps it fell to 0.01-0.02: docs/design.md)."""
+    on both ranks, and in the last epoch at least min_recall of the true top-k (k = d / (50 ratio);
+    a random set of as many coordinates as it applies, 25 k, would hold 0.11 and 0.05). Measured with seeds 0-2: 0.57-0.62 at 4x and 0.34-0.37 at 8x; applying
+    only the exact top-k of the candidates (the paper's rule) 0.22-0.24 and 0.11-0.14, and with the
+    hashes fixed across steps 0.01-0.02 (docs/design.md), both of which fail here."""
     first, second = (r[run] for r in digits_runs)
     for key in ("recall", "captured_mass"):
         assert len(first[key]) == DIGITS_EPOCHS and all(0 <= v <= 1 for v in first[key]), (key, first[key])
         assert first[key] == second[key], key  # computed from allreduced values: alike on every rank
-    assert first["recall"][-1] >= 10 / (50 * ratio), first["recall"]
+    assert first["recall"][-1] >= min_recall, first["recall"]
 
 
 def test_sgp_trains_next_to_allreduce_sgd(digits_runs):

@@ -73,6 +73,19 @@ def test_non_finite_values_reach_the_estimate():
     assert np.isnan(estimate.numpy()[10])
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6])
+def test_medians_order_non_finite_values_and_zeros_as_numpy(rows):
+    """The query's medians (a min/max network over integer keys for 3 and 5 rows, a sort otherwise)
+    on cells of NaN of either sign, infinities, signed zeros and ordinary values: NaN sorts last,
+    so a NaN in a minority of rows leaves the median finite and in most rows makes it NaN."""
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.5, -2.5, 1e-30, -7.0], np.float32)
+    sketch = np.random.default_rng(rows).choice(special, (rows, 40)).astype(np.float32)
+    got = ops.count_sketch_query(tf.constant(sketch), 5000, seed=rows).numpy()
+    want = ref.count_sketch_query(sketch, 5000, seed=rows)
+    np.testing.assert_array_equal(got, want)  # NaN equals NaN, -0.0 equals 0.0
+    assert np.isnan(want).any() and np.isfinite(want).any()
+
+
 @pytest.mark.parametrize("rows, cols", [(0, 10), (3, 0), (2.5, 10)])
 def test_bad_sizes_are_refused(rows, cols):
     with pytest.raises(ValueError, match="rows|cols"):
