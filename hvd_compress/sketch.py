@@ -13,14 +13,14 @@ Sketched SGD (mode="sketched", the default). Each worker keeps momentum u and er
 Hashes and signs are drawn anew every step (from the seed, the bucket and the step): with fixed
 hashes the coordinates that share a bucket with a persistent heavy one would hide it at every step,
 and their residuals would grow unseen (measured on digits under the paper's top-k rule: recall of
-the true top-k 0.02 late in training, against 0.23 with fresh hashes). The candidate set is the paper's margin: the summed
-sketch only has to rank the heavy coordinates among the top P k, and every applied value is exact,
-so a coordinate the sketch over-estimated is never applied with a wrong value. The paper applies only
-the exact top k of the candidates; the second round has already paid for all P k exact sums, and
-applying them all is what trains at 8x and beyond (measured on digits, 2 ranks, 16 epochs, three hash
-seeds: at 8x 0.981-0.989 against 0.10-0.972 with the top k only; docs/design.md, "Sketched SGD").
-Without the second round (`second_round=False`, the paper's one-round variant) A is the top k of the
-estimates and V their estimates.
+the true top-k 0.02 late in training, against 0.23 with fresh hashes). The candidate set is the
+paper's margin: the summed sketch only has to rank the heavy coordinates among the top P k, and
+every applied value is exact, so a coordinate the sketch over-estimated is never applied with a
+wrong value. The paper applies only the exact top k of the candidates; the second round has already
+paid for all P k exact sums, and applying them all is what trains at 8x and beyond (measured on
+digits, 2 ranks, 16 epochs, three hash seeds: at 8x 0.981-0.989 against 0.10-0.972 with the top k
+only; docs/design.md, "Sketched SGD"). Without the second round (`second_round=False`, the paper's
+one-round variant) A is the top k of the estimates and V their estimates.
 Under other optimizers the same exchange runs on a = g + e (no momentum in front) and the wrapped
 optimizer applies the sparse mean (P k coordinates, or k with apply_candidates=False).
 

@@ -45,11 +45,12 @@ def test_training_converges_next_to_the_uncompressed_baseline(digits_runs, run):
 
 @pytest.mark.parametrize("run, min_recall", [("sketch", 0.45), ("sketch8", 0.25)])
 def test_sketched_sgd_logs_the_recall_of_the_true_top_k(digits_runs, run, min_recall):
-    """CompressionMetrics(recall=True) on every epoch of the 2-rank digits runs: a fraction, the same
-    on both ranks, and in the last epoch at least min_recall of the true top-k (k = d / (50 ratio);
-    a random set of as many coordinates as it applies, 25 k, would hold 0.11 and 0.05). Measured with seeds 0-2: 0.57-0.62 at 4x and 0.34-0.37 at 8x; applying
-    only the exact top-k of the candidates (the paper's rule) 0.22-0.24 and 0.11-0.14, and with the
-    hashes fixed across steps 0.01-0.02 (docs/design.md), both of which fail here."""
+    """CompressionMetrics(recall=True) on every epoch of the 2-rank digits runs: a fraction, the same on
+    both ranks, and in the last epoch at least min_recall of the true top-k (k = d / (50 ratio); a
+    random set of as many coordinates as it applies, 25 k, would hold 0.11 and 0.05). Measured with
+    seeds 0-2: 0.57-0.62 at 4x and 0.34-0.37 at 8x; applying only the exact top-k of the candidates
+    (the paper's rule) 0.22-0.24 and 0.11-0.14, and with the hashes fixed across steps 0.01-0.02
+    (docs/design.md), both of which fail here."""
     first, second = (r[run] for r in digits_runs)
     for key in ("recall", "captured_mass"):
         assert len(first[key]) == DIGITS_EPOCHS and all(0 <= v <= 1 for v in first[key]), (key, first[key])
