@@ -4,10 +4,12 @@ An exchange moves one fused bucket of error-fed values `flat` between ranks.
 It declares the state it needs (`state`: StateSpecs with a name, shape and
 scope, see state.py); the GradientExchange creates it once and passes it to
 every step as a dict of variables, with the step's `StepInfo` (its number and,
-in direct-update mode, the learning rate and momentum). A step returns a `Step`:
-what this worker sent (its residual is flat - sent), the mean update, the new
-values of its state, and (sketched SGD) the coordinates where the update was
-applied. An exchange that keeps error and momentum in its own state (FetchSGD)
+in direct-update mode, the learning rate and momentum). A step gets the bucket's
+values as one flat tensor per variable and returns, per variable, this worker's
+residual and the mean update, with the new values of its state and (sketched
+SGD) the coordinates where the update was applied (`Exchanged`); most
+exchanges work on the bucket's concatenation (`Exchange.exchange`, returning a
+`Step`: what this worker sent, its residual being flat - sent). An exchange that keeps error and momentum in its own state (FetchSGD)
 says `worker_feedback = False`: the worker then hands it plain gradients and
 keeps no residual or momentum of its own. So
 a new compressor is one compressor class (compression.py) and one exchange
@@ -33,8 +35,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import ops
-from hvd_compress.compression import (OneBitCompressor, PowerSGDCompressor, RandomKCompressor,
-                                      TopKCompressor)
+from hvd_compress.compression import (FP16Compressor, OneBitCompressor, PowerSGDCompressor,
+                                      RandomKCompressor, TopKCompressor)
 from hvd_compress.sketch import SketchCompressor
 from hvd_compress.state import REPLICATED, SHARDED, StateSpec
 
@@ -95,15 +97,29 @@ class StepInfo(NamedTuple):
 
 
 class Step(NamedTuple):
-    """What one exchange step returns."""
+    """What one exchange step on the bucket's flat vector returns (Exchange.exchange)."""
     sent: tf.Tensor  # what this worker sent: its residual is flat - sent
     update: tf.Tensor  # the mean update of all workers
     state: dict = {}  # new values of the exchange's state, by name
     applied: Optional[tf.Tensor] = None  # indices where the update was applied (sketched SGD)
 
 
+class Exchanged(NamedTuple):
+    """What one exchange step returns to the optimizer (Exchange.__call__): per variable."""
+    residual: list  # this worker's residual, a flat tensor per variable (its input less what it sent)
+    update: list  # the mean update of all workers, a flat tensor per variable
+    state: dict = {}
+    applied: Optional[tf.Tensor] = None
+
+
 class Exchange:
-    """The contract of every exchange (see the module docstring)."""
+    """The contract of every exchange (see the module docstring).
+
+    The optimizer calls it with the bucket's values as `parts`, one flat float32 tensor per
+    variable. By default the parts are concatenated into the bucket's flat vector, which
+    `exchange` works on, and the residual and update are cut back into parts. An exchange that
+    can work on the parts where they lie (top-k) overrides __call__ and makes no concatenation.
+    """
 
     #: the StateSpecs this exchange needs, created once by the GradientExchange
     state = ()
@@ -115,9 +131,17 @@ class Exchange:
     #: (sketched SGD's momentum masking)
     masks_momentum = False
 
-    def __call__(self, flat, state, step):
-        """flat: float32 [n] error-fed values (plain gradients without worker feedback); state:
-        {name: variable}; step: a StepInfo. Returns a Step."""
+    def __call__(self, parts, state, step):
+        """parts: float32 error-fed values (plain gradients without worker feedback), a flat tensor per
+        variable; state: {name: variable}; step: a StepInfo. Returns an Exchanged."""
+        flat = tf.concat(parts, 0)
+        result = self.exchange(flat, state, step)
+        sizes = [int(p.shape[0]) for p in parts]
+        return Exchanged(tf.split(flat - result.sent, sizes), tf.split(result.update, sizes), result.state,
+                         result.applied)
+
+    def exchange(self, flat, state, step):
+        """flat: the bucket's values as one float32 [n] vector. Returns a Step."""
         raise NotImplementedError
 
     def residual(self, state):
@@ -153,6 +177,67 @@ class DenseAllreduce:
         return [tf.cast(s, t.dtype) for s, t in zip(summed, tensors)]
 
 
+class HalfAllreduce:
+    """Compression.fp16 in hvd_compress.DistributedOptimizer: 16-bit allreduce over a sharded sum.
+
+    The tensors are fused into buckets of at most fusion_threshold_bytes of float16, each cast
+    once, with F16C, into its float16 buffer (ops.half_pack: no float32 concatenation). The
+    bucket is cut into `size` shards (shard_cuts); an alltoall sends shard j of every rank to
+    rank j, which averages them in float32 and rounds the mean to float16 once (ops.half_mean);
+    an allgather returns every shard to every rank, which casts the float16 mean straight into
+    each tensor's own dtype (ops.half_unpack). Per rank and bucket of d values that is
+    2 (n-1)/n of 2d bytes, as a ring allreduce of float16 moves, but the sum is taken in float32
+    (Horovod's fp16 sums in float16 at every hop) and every rank decodes the same bits.
+    bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
+    become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16
+    sum against overflow.
+    """
+
+    def __init__(self, shapes, dtypes, rank, size, process_set, op, fusion_threshold_bytes, name):
+        self.shapes, self.dtypes, self.rank, self.size, self.process_set = shapes, dtypes, rank, size, process_set
+        self.scale, self.name = (size if op == hvd.Sum else 1), name
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        self.buckets, current, current_bytes = [], [], 0
+        for i, n in enumerate(sizes):
+            if current and current_bytes + 2 * n > fusion_threshold_bytes:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(i)
+            current_bytes += 2 * n
+        if current:
+            self.buckets.append(current)
+        self.splits = [np.diff(shard_cuts(sum(sizes[i] for i in bucket), size)).tolist() for bucket in self.buckets]
+        self.bytes_sent = sum(2 * (sum(splits) - splits[rank]) + allgather_bytes(2 * splits[rank], size)
+                              for splits in self.splits)
+
+    def __call__(self, tensors):
+        out = [None] * len(tensors)
+        for b, (bucket, splits) in enumerate(zip(self.buckets, self.splits)):
+            name = f"{self.name}.{b}"
+            received, _ = hvd.alltoall(ops.half_pack([tensors[i] for i in bucket]), splits=splits,
+                                       process_set=self.process_set, name=name + ".alltoall")
+            mean = ops.half_mean(tf.reshape(received, [self.size, splits[self.rank]]))
+            gathered = hvd.allgather(mean, process_set=self.process_set, name=name + ".allgather")
+            unpacked = ops.half_unpack(gathered, [self.shapes[i] for i in bucket], [self.dtypes[i] for i in bucket])
+            for i, y in zip(bucket, unpacked):
+                out[i] = y * self.scale if self.scale != 1 else y
+        return out
+
+
+def is_fp16(compression):
+    """Whether this is Compression.fp16 (passed as the class, as Horovod's is, or an instance)."""
+    return compression is FP16Compressor or isinstance(compression, FP16Compressor)
+
+
+def plan_dense(compression, shapes, dtypes, rank, size, process_set, op, gradient_predivide_factor,
+               fusion_threshold_bytes, name):
+    """The exchange of the tensors that are not compressed: HalfAllreduce under Compression.fp16,
+    else Horovod's grouped allreduce (DenseAllreduce)."""
+    if is_fp16(compression):
+        return HalfAllreduce(shapes, dtypes, rank, size, process_set, op, fusion_threshold_bytes, name)
+    return DenseAllreduce(shapes, dtypes, compression, size, process_set, op, gradient_predivide_factor, name)
+
+
 def agree_on_finiteness(grads, process_set, name):
     """Makes every rank's gradients NaN when any rank's are not all finite (one scalar allreduce).
 
@@ -182,7 +267,7 @@ class FullAllreduce(Exchange):
         self.bucket = bucket
         self.bytes_sent = allreduce_bytes(4 * bucket.num_elements, bucket.size)
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         return Step(flat, hvd.allreduce(flat, op=hvd.Average, process_set=self.bucket.process_set,
                                         name=self.bucket.name))
 
@@ -198,7 +283,7 @@ class SignAllgather(Exchange):
         self.num_bytes = (n + 7) // 8
         self.bytes_sent = allgather_bytes(compressor.payload_bytes(n, self.num_blocks), bucket.size)
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         bounds = tf.constant(self.bounds)
         bits, scales = self.compressor.encode(flat, bounds)
         sent = self.compressor.decode((bits, scales), bounds)
@@ -254,7 +339,7 @@ class SignTwoWay(Exchange):
                               scales[s["first_block"]:s["last_block"]])
                 for s in self.shards]
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         bounds, process_set, name = tf.constant(self.bounds), self.bucket.process_set, self.bucket.name
         bits, scales = self.compressor.encode(flat, bounds)
         sent = self.compressor.decode((bits, scales), bounds)
@@ -283,7 +368,14 @@ class SignTwoWay(Exchange):
 
 
 class SparseAllgather(Exchange):
-    """Top-k: (values, int32 indices) of every worker allgathered, summed densely, averaged."""
+    """Top-k: (values, int32 indices) of every worker allgathered, their mean scattered.
+
+    It works on the bucket's parts where they lie: the top k of their concatenation is selected
+    in place (ops.top_k_abs over the list), the residual is the parts with the selection zeroed
+    in place (ops.zero_at), and the allgathered pairs of all ranks are summed, in rank order,
+    straight into one dense tensor per variable and divided by the number of ranks
+    (ops.scatter_mean). The only dense tensors it makes are those the wrapped optimizer gets.
+    """
 
     def __init__(self, compressor, bucket):
         self.compressor, self.bucket = compressor, bucket
@@ -291,14 +383,15 @@ class SparseAllgather(Exchange):
         self.k = compressor.num_selected(self.n)
         self.bytes_sent = allgather_bytes(compressor.payload_bytes(self.k), bucket.size)
 
-    def __call__(self, flat, state, step):
-        values, indices = self.compressor.encode(flat, self.k)
-        sent = self.compressor.decode((values, indices), self.n)
+    def __call__(self, parts, state, step):
+        values, indices = ops.top_k_abs(parts, self.k)
+        residual = ops.zero_at(parts, indices)
         gathered = hvd.allgather(tf.concat([values, tf.bitcast(indices, tf.float32)], 0),
                                  process_set=self.bucket.process_set, name=self.bucket.name)
         gathered = tf.reshape(gathered, [self.bucket.size, 2, self.k])
-        total = self.compressor.decode((gathered[:, 0], tf.bitcast(gathered[:, 1], tf.int32)), self.n)
-        return Step(sent, total / self.bucket.size)
+        update = ops.scatter_mean(tf.reshape(tf.bitcast(gathered[:, 1], tf.int32), [-1]),
+                                  tf.reshape(gathered[:, 0], [-1]), [p.shape for p in parts], self.bucket.size)
+        return Exchanged(residual, update)
 
 
 class SharedRandomAllreduce(Exchange):
@@ -311,7 +404,7 @@ class SharedRandomAllreduce(Exchange):
         self.k = compressor.num_selected(self.n)
         self.bytes_sent = allreduce_bytes(compressor.payload_bytes(self.k), bucket.size)
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         indices = self.compressor.indices(self.n, self.k, step.number, self.bucket.index)
         values = tf.gather(flat, indices)
         sent = self.compressor.decode((values, indices), self.n)
@@ -335,7 +428,7 @@ class SketchAllreduce(Exchange):
                            + (allreduce_bytes(4 * self.num_candidates, bucket.size)
                               if compressor.second_round else 0))
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
         summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt, step.number), op=hvd.Sum,
                                process_set=process_set, name=name + ".sketch")
@@ -374,7 +467,7 @@ class SketchSpaceAllreduce(Exchange):
         # Each row of a count sketch keeps the vector's squared norm in expectation.
         return [state["sketch_error"] / math.sqrt(self.rows)]
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         salt = self.bucket.index
         sketch = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt), op=hvd.Average,
                                process_set=self.bucket.process_set, name=self.bucket.name + ".sketch")
@@ -423,7 +516,7 @@ class LowRankAllreduce(Exchange):
             offset += size
         return out
 
-    def __call__(self, flat, state, step):
+    def exchange(self, flat, state, step):
         if self.compressor.warm_start:
             qs = [state[spec.name] for spec in self.state]
         else:

@@ -23,7 +23,9 @@ REBUILD_HINT = (
 )
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
-             "ScatterDense", "CountSketch", "CountSketchQuery", "HvdCompressBuildInfo")
+             "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
+             "ZeroAt", "ScatterMean",
+             "HvdCompressBuildInfo")
 
 
 for _name in _OP_NAMES:  # the ops compute encodings, never gradients
@@ -163,24 +165,66 @@ def _with_static_length(result, n):
 
 
 def top_k_abs(x, k):
-    """The k entries of x (flattened) with the largest |x|.
+    """The k entries of x (flattened) with the largest |x|; x may be a list of tensors of one dtype,
+    read in place as if flattened and concatenated (no concatenation is made).
 
     Returns (values, int32 indices) in increasing index order; among equal
     magnitudes the lower index wins and NaN counts as the largest magnitude.
     """
-    x = tf.convert_to_tensor(x)
-    check_float(x, "x")
-    n = x.shape.num_elements()
+    xs = [tf.convert_to_tensor(t) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    for t in xs:
+        check_float(t, "x")
+    sizes = [t.shape.num_elements() for t in xs]
+    n = None if None in sizes else sum(sizes)
     if isinstance(k, (int, np.integer)) and not (0 <= k and (n is None or k <= n)):
         raise ValueError(
             f"k must be between 0 and the number of elements of the tensor ({n}), got k={k}. "
             "Lower k or the top-k ratio.")
-    return library().top_k_abs(x, tf.cast(k, tf.int32))
+    return library().top_k_abs(xs, tf.cast(k, tf.int32))
+
+
+def zero_at(parts, indices):
+    """The float32 tensors `parts` with the elements at int32 `indices` of their concatenation (each
+    flattened) set to zero; a part nothing else holds is zeroed in place."""
+    return library().zero_at([tf.reshape(p, [-1]) for p in parts], indices)
+
+
+def scatter_mean(indices, values, shapes, count):
+    """float32 tensors of these shapes, parts of one concatenation: at each int32 index the values
+    given for it summed in input order and divided by count, zero elsewhere. For the allgathered
+    (values, indices) of `count` ranks: their mean, with no dense tensor per rank."""
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    flat = library().scatter_mean(indices, values, N=len(sizes), sizes=sizes, count=int(count))
+    return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
 
 
 def scatter_dense(indices, values, n):
     """Dense vector of length n with values summed at indices (duplicates add up)."""
     return library().scatter_dense(indices, values, tf.cast(n, tf.int64))
+
+
+def half_pack(tensors):
+    """The tensors (float32, float16 or bfloat16), flattened and concatenated in order, as one
+    float16 vector: rounded to nearest even as NumPy's astype(np.float16) (beyond +-65504: +-Inf),
+    with F16C where the CPU has it. One pass; no float32 concatenation is made."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for i, t in enumerate(tensors):
+        check_float(t, f"tensors[{i}]")
+    return library().half_pack(tensors)
+
+
+def half_mean(rows):
+    """float16[m]: the mean of the rows of float16[count, m], summed in float32 in row order,
+    divided by count in float32 and rounded to float16 once."""
+    return library().half_mean(rows)
+
+
+def half_unpack(packed, shapes, dtypes):
+    """Inverse of half_pack: the float16 vector cut into tensors of these shapes and dtypes
+    (float16 -> float32 is exact)."""
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    flat = library().half_unpack(packed, sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
+    return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
 
 
 def check_sketch_size(rows, cols):

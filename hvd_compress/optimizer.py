@@ -251,10 +251,10 @@ class GradientExchange(tf.Module):
         state.track(self._holder, rank_state)  # a pending checkpoint restore happens here
         self._check_ranks_agree(previous)
         dense_compression = Compression.none if self.compression.requires_optimizer else self.compression
-        self.dense_exchange = exchange.DenseAllreduce(
-            [self.layout.shapes[i] for i in self.layout.dense],
-            [self.variable_dtypes[i] for i in self.layout.dense], dense_compression, size,
-            self.process_set, self.op, self.predivide, f"{self.collective_name}.dense")
+        self.dense_exchange = exchange.plan_dense(
+            dense_compression, [self.layout.shapes[i] for i in self.layout.dense],
+            [self.variable_dtypes[i] for i in self.layout.dense], rank, size, self.process_set, self.op,
+            self.predivide, self.fusion_threshold_bytes, f"{self.collective_name}.dense")
 
     def _collective(self, b, k):
         """The name of bucket b's collectives (setting k of Accordion's)."""
@@ -349,56 +349,57 @@ class GradientExchange(tf.Module):
         is None (zeros travel in its place, and its state is left as it was). step: the optimizer's
         iteration; None (a tape) uses and advances the exchange's own count, `own_steps`."""
         self.traced = True
-        counted = step is None
-        if counted:
-            step = self.own_steps.read_value()
-        info = exchange.StepInfo(step, learning_rate, momentum if learning_rate is not None else 0.0, nesterov)
-        absent = {i for i, g in enumerate(grads) if g is None}
-        with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
-            grads = [tf.identity(g) for g in self.prepare(grads)]
-        out = list(grads)
-        dense = self.dense_exchange([grads[i] for i in self.layout.dense])
-        for i, g in zip(self.layout.dense, dense):
-            out[i] = g
-        if self.monitor is not None:
-            self.monitor.observe(grads)
-        for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
-            flat = tf.concat([tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov)
-                                         if i not in absent else tf.zeros(self.layout.shapes[i]), [-1])
-                              for i in bucket], 0)
-            runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, flat, info)
-                    for ex, own in zip(alternatives, self.exchange_state[b])]
-            if len(runs) == 1:
-                sent, update = runs[0]()
-            else:  # Accordion: both settings are in the graph, the detector's regime picks one (no retrace)
-                sent, update = tf.cond(self.monitor.critical[b] > 0.5, runs[LOW], runs[HIGH])
-            residual, offset = flat - sent, 0
-            if self.op == hvd.Sum:
-                update = update * self.process_set.size()
-            for i in bucket:
-                size, shape = self.layout.sizes[i], self.layout.shapes[i]
-                kept = self.residuals[self.layout.slot[i]]
-                if i not in absent and kept is not None:
-                    kept.assign(tf.reshape(residual[offset:offset + size], shape))
-                out[i] = tf.cast(tf.reshape(update[offset:offset + size], shape), self.variable_dtypes[i])
-                offset += size
-        if counted:
-            self.own_steps.assign_add(1)
-        return [None if i in absent else g for i, g in enumerate(out)]
+        with tf.name_scope("hc_exchange"):  # name scopes read by benchmarks/overhead.py
+            counted = step is None
+            if counted:
+                step = self.own_steps.read_value()
+            info = exchange.StepInfo(step, learning_rate, momentum if learning_rate is not None else 0.0, nesterov)
+            absent = {i for i, g in enumerate(grads) if g is None}
+            with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
+                grads = [tf.identity(g) for g in self.prepare(grads)]
+            out = list(grads)
+            dense = self.dense_exchange([grads[i] for i in self.layout.dense])
+            for i, g in zip(self.layout.dense, dense):
+                out[i] = g
+            if self.monitor is not None:
+                self.monitor.observe(grads)
+            for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
+                parts = [tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov)
+                                    if i not in absent else tf.zeros(self.layout.shapes[i]), [-1]) for i in bucket]
+                runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, parts, info)
+                        for ex, own in zip(alternatives, self.exchange_state[b])]
+                if len(runs) == 1:
+                    residuals, updates = runs[0]()
+                else:  # Accordion: both settings are in the graph, the detector's regime picks one (no retrace)
+                    residuals, updates = tf.cond(self.monitor.critical[b] > 0.5, runs[LOW], runs[HIGH])
+                for i, residual, update in zip(bucket, residuals, updates):
+                    shape, kept = self.layout.shapes[i], self.residuals[self.layout.slot[i]]
+                    if i not in absent and kept is not None:
+                        with tf.name_scope("hc_state_update"):
+                            kept.assign(tf.reshape(residual, shape))
+                    if self.op == hvd.Sum:
+                        update = update * self.process_set.size()
+                    out[i] = tf.cast(tf.reshape(update, shape), self.variable_dtypes[i])
+            if counted:
+                self.own_steps.assign_add(1)
+            return [None if i in absent else g for i, g in enumerate(out)]
 
-    def _run(self, ex, own_state, bucket, flat, step):
-        """Runs one bucket's exchange and stores its new state: (what this worker sent, mean update)."""
-        result = ex(flat, own_state, step)
-        for name, value in result.state.items():
-            own_state[name].assign(value)
+    def _run(self, ex, own_state, bucket, parts, step):
+        """Runs one bucket's exchange and stores its new state: (this worker's residual, mean update),
+        each a list of one flat tensor per variable of the bucket."""
+        result = ex(parts, own_state, step)
+        with tf.name_scope("hc_state_update"):
+            for name, value in result.state.items():
+                own_state[name].assign(value)
         if self.momenta and ex.masks_momentum:  # sketched SGD: zero u where it applied the update
             if result.applied is None:
                 raise TypeError(f"{type(ex).__name__} masks momentum but its Step says nowhere where the update "
                                 f"was applied: return Step(..., applied=indices).")
-            self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
+            with tf.name_scope("hc_state_update"):
+                self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
         if self.recall_totals is not None and result.applied is not None:
-            self._record_recall(flat, result.applied, ex)
-        return result.sent, result.update
+            self._record_recall(tf.concat(parts, 0), result.applied, ex)
+        return result.residual, result.update
 
     def measure_recall(self):
         """Turns on the recall metric (CompressionMetrics(recall=True)) before the first step is
@@ -450,7 +451,8 @@ class GradientExchange(tf.Module):
         if not self.direct_update:
             return g + e
         m = self.momenta[self.layout.slot[i]]
-        m.assign(momentum * m + g)
+        with tf.name_scope("hc_state_update"):
+            m.assign(momentum * m + g)
         p = momentum * m + g if nesterov else tf.identity(m)
         return learning_rate * p + e
 
@@ -500,9 +502,10 @@ def _check_arguments(compression, two_way, op, min_compress_size, fusion_thresho
                         f"Compression.onebit()), got {compression!r}.")
     if not isinstance(two_way, bool):
         raise TypeError(f"two_way must be True or False, got {two_way!r}.")
-    if compression.requires_optimizer and op not in (hvd.Average, hvd.Sum):
+    if (compression.requires_optimizer or exchange.is_fp16(compression)) and op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum with {compression!r}; Adasum and other "
-                         "reductions do not apply to compressed payloads.")
+                         "reductions do not apply to compressed payloads (for Adasum in 16 bits use "
+                         "Horovod's own DistributedOptimizer).")
     if not isinstance(min_compress_size, int) or min_compress_size < 1:
         raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
     if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
@@ -633,11 +636,12 @@ class _DistributedOptimizerMixin:
         deltas = [(r, v) for i, r, v in applied if i in compressed]
         passed_on = [(r, v) for i, r, v in applied if i not in compressed]
         if deltas:
-            self._apply_weight_decay([v for _, v in deltas])
-            for delta, v in deltas:
-                v.assign_sub(tf.cast(delta, v.dtype))
-                if v.constraint is not None:
-                    v.assign(v.constraint(v))
+            with tf.name_scope("hc_state_update"):
+                self._apply_weight_decay([v for _, v in deltas])
+                for delta, v in deltas:
+                    v.assign_sub(tf.cast(delta, v.dtype))
+                    if v.constraint is not None:
+                        v.assign(v.constraint(v))
         if passed_on:
             return self._hc_wrapped_apply(passed_on)
         return self.iterations.assign_add(1)

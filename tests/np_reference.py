@@ -77,6 +77,16 @@ def shard_cuts(d, n):
     return np.array([min(j * shard, d) for j in range(n + 1)], np.int64)
 
 
+def half_mean(values):
+    """Compression.fp16's mean in hc.DistributedOptimizer (ops.half_mean over half_pack'ed rows):
+    each rank's values rounded to float16, summed in float32 in rank order, divided by their count
+    in float32, rounded to float16 once; returned as float32."""
+    total = values[0].astype(np.float16).astype(np.float32)
+    for v in values[1:]:
+        total = total + v.astype(np.float16).astype(np.float32)
+    return (total / np.float32(len(values))).astype(np.float16).astype(np.float32)
+
+
 def keras_sgd(x, m, g, lr, mu, nesterov):
     """tf_keras SGD's update_step (float32), in place on x and m."""
     g = g.astype(np.float32)

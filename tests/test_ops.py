@@ -122,7 +122,8 @@ def test_results_do_not_depend_on_thread_count(tmp_path):
         "from hvd_compress import ops\n"
         "x = np.random.default_rng(3).standard_normal(5 * 16384 + 11).astype(np.float32)\n"
         "bits, scales = ops.block_sign_pack(x)\n"
-        "np.savez(sys.argv[1], bits=bits.numpy(), scales=scales.numpy(), top=ops.top_k_abs(x, 999)[1].numpy())\n")
+        "np.savez(sys.argv[1], bits=bits.numpy(), scales=scales.numpy(), top=ops.top_k_abs(x, 999)[1].numpy(),\n"
+        "         half=ops.half_mean(tf.reshape(ops.half_pack([x[:-11]]), [5, -1])).numpy())\n")
     subprocess.run([sys.executable, str(script), str(tmp_path / "one.npz")], check=True, timeout=120)
     one_thread = np.load(tmp_path / "one.npz")
     x = np.random.default_rng(3).standard_normal(5 * ref.KCHUNK + 11).astype(np.float32)
@@ -130,6 +131,7 @@ def test_results_do_not_depend_on_thread_count(tmp_path):
     np.testing.assert_array_equal(one_thread["bits"], bits.numpy())
     np.testing.assert_array_equal(one_thread["scales"], scales.numpy())
     np.testing.assert_array_equal(one_thread["top"], ops.top_k_abs(x, 999)[1].numpy())
+    np.testing.assert_array_equal(one_thread["half"], ops.half_mean(tf.reshape(ops.half_pack([x[:-11]]), [5, -1])))
 
 
 @SETTINGS
@@ -209,6 +211,79 @@ def test_shape_inference_with_unknown_dimensions():
     static(tf.ones([6, 5]))
 
 
+@SETTINGS
+@given(sizes=st.lists(st.sampled_from([1, 2, 9, 300, ref.KCHUNK + 3, 70000]), min_size=1, max_size=4),
+       data=st.data(), ranks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_top_k_over_parts_zero_at_and_scatter_mean_match_numpy(sizes, data, ranks, seed):
+    """Top-k's in-place path: the selection over a list of parts is the one over their concatenation
+    (pieces never cross a part, so this checks the cut), the residual zeroes it, and the allgathered
+    pairs of `ranks` ranks (duplicates across ranks) give the NumPy mean of their dense sums."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.integers(-4, 5, n).astype(np.float32) for n in sizes]  # ties cross the parts
+    flat = np.concatenate(parts)
+    k = data.draw(st.integers(0, flat.size))
+    values, indices = ops.top_k_abs([tf.constant(p) for p in parts], k)
+    want_values, want_indices = ref.top_k_abs(flat, k)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+    np.testing.assert_array_equal(indices.numpy(), want_indices)
+    zeroed = ops.zero_at([tf.constant(p) for p in parts], indices)
+    np.testing.assert_array_equal(np.concatenate([z.numpy() for z in zeroed]),
+                                  flat - ref.scatter_dense(want_indices, want_values, flat.size))
+    pairs = [ref.top_k_abs(flat + rng.standard_normal(flat.size).astype(np.float32), k) for _ in range(ranks)]
+    mean = ops.scatter_mean(np.concatenate([i for _, i in pairs]).astype(np.int32),
+                            np.concatenate([v for v, _ in pairs]), [(n,) for n in sizes], ranks)
+    total = np.zeros(flat.size, np.float32)
+    for v, i in pairs:
+        total += ref.scatter_dense(i, v, flat.size)
+    np.testing.assert_array_equal(np.concatenate([m.numpy() for m in mean]), total / np.float32(ranks))
+
+
+SPECIAL_HALVES = np.array([np.nan, np.inf, -np.inf, 7e4, -7e4, 65504, 65519.99, 65520, 1e-8, 6e-8, 3e-8,
+                          -3e-5, 0.0, -0.0, 1 + 2 ** -11, 1 + 3 * 2 ** -11], np.float32)  # ties round to even
+
+
+@SETTINGS
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 8, 9, 300, ref.KCHUNK - 1, ref.KCHUNK + 5]), min_size=1, max_size=4),
+       dtypes=st.lists(st.sampled_from(sorted(DTYPES)), min_size=4, max_size=4), scale=st.sampled_from([1e-6, 1, 3e4]),
+       seed=st.integers(0, 2**16))
+def test_half_pack_and_unpack_match_numpy(sizes, dtypes, scale, seed):
+    """Fused float16 buffers: every part cast as NumPy's astype(np.float16) (F16C's vector body and the
+    scalar tail alike, parts crossing the chunk grid), and cast back into each part's dtype."""
+    rng = np.random.default_rng(seed)
+    parts = [tf.cast(rng.standard_normal(n).astype(np.float32) * np.float32(scale), DTYPES[d])
+             for n, d in zip(sizes, dtypes)]
+    parts.append(tf.constant(SPECIAL_HALVES))
+    packed = ops.half_pack(parts)
+    with np.errstate(over="ignore"):
+        want = np.concatenate([tf.cast(p, tf.float32).numpy() for p in parts]).astype(np.float16)
+    assert packed.dtype == tf.float16
+    np.testing.assert_array_equal(packed.numpy().view(np.uint16)[~np.isnan(want)],
+                                  want.view(np.uint16)[~np.isnan(want)])  # bit-exact, signed zeros too
+    np.testing.assert_array_equal(np.isnan(packed.numpy()), np.isnan(want))
+    shapes = [(n,) for n in sizes] + [(4, 4)]
+    back = ops.half_unpack(packed, shapes, [p.dtype for p in parts])
+    offset = 0
+    for part, got, shape in zip(parts, back, shapes):
+        n = int(np.prod(shape))
+        assert got.dtype == part.dtype and tuple(got.shape) == shape
+        expected = tf.cast(tf.constant(want[offset:offset + n].astype(np.float32)), part.dtype)
+        np.testing.assert_array_equal(tf.cast(got, tf.float32).numpy().ravel(),
+                                      tf.cast(expected, tf.float32).numpy().ravel())
+        offset += n
+
+
+@SETTINGS
+@given(count=st.integers(1, 5), m=st.sampled_from([1, 9, 300, ref.KCHUNK + 3, 2 * ref.KCHUNK]),
+       seed=st.integers(0, 2**16))
+def test_half_mean_matches_numpy(count, m, seed):
+    rows = (np.random.default_rng(seed).standard_normal((count, m)) * 1e3).astype(np.float16)
+    rows[0, 0] = np.float16(6e4)  # the float32 sum of such values does not overflow; a float16 sum would
+    rows[:, -1] = np.float16(6e4)
+    got = ops.half_mean(tf.constant(rows)).numpy()
+    np.testing.assert_array_equal(got.astype(np.float32), ref.half_mean(list(rows)))
+    assert np.isfinite(got[-1])
+
+
 def test_ops_have_no_gradient():
     x = tf.Variable(tf.ones([8]))
     with tf.GradientTape() as tape:
@@ -230,6 +305,13 @@ def test_ops_have_no_gradient():
     (lambda: ops.top_k_abs(tf.ones([4]), 5), ValueError, "k"),
     (lambda: ops.top_k_abs(tf.ones([4]), tf.constant(5)), tf.errors.InvalidArgumentError, "k must be"),
     (lambda: ops.scatter_dense([0, 4], [1.0, 2.0], 4), tf.errors.InvalidArgumentError, "out of range"),
+    (lambda: ops.zero_at([tf.ones([4])], tf.constant([4])), tf.errors.InvalidArgumentError, "out of range"),
+    (lambda: ops.scatter_mean(tf.constant([0, 9]), tf.ones([2]), [(4,), (5,)], 2), tf.errors.InvalidArgumentError,
+     "out of range"),
+    (lambda: ops.half_pack([tf.ones([4], tf.int32)]), TypeError, "float"),
+    (lambda: ops.half_unpack(tf.ones([5], tf.float16), [(4,)], [tf.float32]), tf.errors.InvalidArgumentError,
+     "sum\\(sizes\\) = 4"),
+    (lambda: ops.half_mean(tf.ones([4], tf.float16)), tf.errors.InvalidArgumentError, "must be \\[count, m\\]"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):

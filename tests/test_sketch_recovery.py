@@ -39,7 +39,7 @@ def recovered(compression, seeds=(0, 1, 2), d=D):
     ex = sketch_exchange(compression, d)
     for seed in seeds:
         x, heavy = planted(ex.k, seed, d)
-        yield x, heavy, ex(tf.constant(x), {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex
+        yield x, heavy, ex.exchange(tf.constant(x), {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex
 
 
 def check_recall(d=D, **variant):

@@ -7,7 +7,9 @@
 // index order. Three reads of x, O(n) work, multi-threaded over fixed
 // segments so the result never depends on the thread count.
 #include <algorithm>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -42,18 +44,46 @@ int64_t BinOfRank(const std::vector<int64_t>& counts, int64_t rank,
 
 }  // namespace
 
+// A run of consecutive elements of one input: the work unit of TopKAbs.
+template <typename T>
+struct Piece {
+  const T* data;
+  int64_t begin;  // index of data[0] in the concatenation of the inputs
+  int64_t length;
+};
+
+// Cuts the inputs (concatenated in order) into pieces of at most `segment`
+// elements that never cross an input's end: fixed by the sizes alone, so the
+// selection never depends on the thread count.
+template <typename T>
+std::vector<Piece<T>> CutPieces(const tensorflow::OpInputList& xs, int64_t segment) {
+  std::vector<Piece<T>> pieces;
+  int64_t begin = 0;
+  for (int i = 0; i < xs.size(); ++i) {
+    const T* data = xs[i].flat<T>().data();
+    const int64_t n = xs[i].NumElements();
+    for (int64_t at = 0; at < n; at += segment) {
+      pieces.push_back({data + at, begin + at, std::min(segment, n - at)});
+    }
+    begin += n;
+  }
+  return pieces;
+}
+
 template <typename T>
 class TopKAbsOp : public OpKernel {
  public:
   explicit TopKAbsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x_tensor = ctx->input(0);
-    const Tensor& k_tensor = ctx->input(1);
+    tensorflow::OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    const Tensor& k_tensor = ctx->input(xs.size());
     OP_REQUIRES(ctx, k_tensor.dims() == 0,
                 InvalidArgument("k must be a scalar, got shape ",
                                 k_tensor.shape().DebugString()));
-    const int64_t n = x_tensor.NumElements();
+    int64_t n = 0;
+    for (int i = 0; i < xs.size(); ++i) n += xs[i].NumElements();
     const int64_t k = k_tensor.scalar<int32_t>()();
     OP_REQUIRES(ctx, n <= std::numeric_limits<int32_t>::max(),
                 InvalidArgument("top_k_abs returns int32 indices, so x may have "
@@ -68,22 +98,22 @@ class TopKAbsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices_tensor));
     if (k == 0) return;
-    const T* x = x_tensor.flat<T>().data();
     T* values = values_tensor->flat<T>().data();
     int32_t* indices = indices_tensor->flat<int32_t>().data();
 
     const int64_t num_segments =
         std::min(kMaxSegments, std::max<int64_t>(1, n / kMinSegment));
-    const int64_t segment = (n + num_segments - 1) / num_segments;
-    auto seg_begin = [&](int64_t s) { return std::min(n, s * segment); };
+    const std::vector<Piece<T>> pieces = CutPieces<T>(xs, (n + num_segments - 1) / num_segments);
+    const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+    const int64_t cost = (n / num_pieces + 1) * 3;
 
-    // Pass 1: histogram of the high 16 bits, one histogram per segment.
-    std::vector<std::vector<uint32_t>> high(num_segments);
-    ParallelFor(ctx, num_segments, segment * 3, [&](int64_t first, int64_t last) {
+    // Pass 1: histogram of the high 16 bits, one histogram per piece.
+    std::vector<std::vector<uint32_t>> high(num_pieces);
+    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
       for (int64_t s = first; s < last; ++s) {
         high[s].assign(kHighBins, 0);
-        for (int64_t i = seg_begin(s); i < seg_begin(s + 1); ++i) {
-          ++high[s][AbsKey(x[i]) >> 16];
+        for (int64_t i = 0; i < pieces[s].length; ++i) {
+          ++high[s][AbsKey(pieces[s].data[i]) >> 16];
         }
       }
     });
@@ -95,12 +125,12 @@ class TopKAbsOp : public OpKernel {
     const uint32_t high_bin = BinOfRank(total, k, &above_high);
 
     // Pass 2: histogram of the low 16 bits inside that high bin.
-    std::vector<std::vector<uint32_t>> low(num_segments);
-    ParallelFor(ctx, num_segments, segment * 3, [&](int64_t first, int64_t last) {
+    std::vector<std::vector<uint32_t>> low(num_pieces);
+    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
       for (int64_t s = first; s < last; ++s) {
         low[s].assign(kLowBins, 0);
-        for (int64_t i = seg_begin(s); i < seg_begin(s + 1); ++i) {
-          const uint32_t key = AbsKey(x[i]);
+        for (int64_t i = 0; i < pieces[s].length; ++i) {
+          const uint32_t key = AbsKey(pieces[s].data[i]);
           if ((key >> 16) == high_bin) ++low[s][key & 0xffff];
         }
       }
@@ -114,11 +144,11 @@ class TopKAbsOp : public OpKernel {
     const uint32_t threshold = (high_bin << 16) | low_bin;
     const int64_t ties_to_take = k - above_high - above_low;
 
-    // Output offsets: each segment writes its keys > threshold and the ties
+    // Output offsets: each piece writes its keys > threshold and the ties
     // that fall to it (the first ties_to_take ties in index order).
-    std::vector<int64_t> offset(num_segments + 1, 0), ties_taken(num_segments);
+    std::vector<int64_t> offset(num_pieces + 1, 0), ties_taken(num_pieces);
     int64_t ties_before = 0;
-    for (int64_t s = 0; s < num_segments; ++s) {
+    for (int64_t s = 0; s < num_pieces; ++s) {
       int64_t greater = 0;
       for (int b = high_bin + 1; b < kHighBins; ++b) greater += high[s][b];
       for (int b = low_bin + 1; b < kLowBins; ++b) greater += low[s][b];
@@ -129,14 +159,15 @@ class TopKAbsOp : public OpKernel {
     }
 
     // Pass 3: write the selection in increasing index order.
-    ParallelFor(ctx, num_segments, segment * 3, [&](int64_t first, int64_t last) {
+    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
       for (int64_t s = first; s < last; ++s) {
+        const Piece<T>& piece = pieces[s];
         int64_t out = offset[s], ties_left = ties_taken[s];
-        for (int64_t i = seg_begin(s); i < seg_begin(s + 1) && out < offset[s + 1]; ++i) {
-          const uint32_t key = AbsKey(x[i]);
+        for (int64_t i = 0; i < piece.length && out < offset[s + 1]; ++i) {
+          const uint32_t key = AbsKey(piece.data[i]);
           if (key > threshold || (key == threshold && ties_left-- > 0)) {
-            values[out] = x[i];
-            indices[out] = static_cast<int32_t>(i);
+            values[out] = piece.data[i];
+            indices[out] = static_cast<int32_t>(piece.begin + i);
             ++out;
           }
         }
@@ -184,17 +215,144 @@ class ScatterDenseOp : public OpKernel {
     ParallelFor(ctx, partitions, n + k, [&](int64_t first, int64_t last) {
       for (int64_t p = first; p < last; ++p) {
         const int64_t lo = n * p / partitions, hi = n * (p + 1) / partitions;
-        std::vector<float> acc(hi - lo, 0.0f);
-        for (int64_t i = 0; i < k; ++i) {
-          if (idx[i] >= lo && idx[i] < hi) {
-            acc[idx[i] - lo] += static_cast<float>(values[i]);
+        if constexpr (std::is_same_v<T, float>) {  // summed in place
+          std::fill(y + lo, y + hi, 0.0f);
+          for (int64_t i = 0; i < k; ++i) {
+            if (idx[i] >= lo && idx[i] < hi) y[idx[i]] += values[i];
           }
+        } else {  // 16-bit values: summed in float32, rounded once
+          std::vector<float> acc(hi - lo, 0.0f);
+          for (int64_t i = 0; i < k; ++i) {
+            if (idx[i] >= lo && idx[i] < hi) {
+              acc[idx[i] - lo] += static_cast<float>(values[i]);
+            }
+          }
+          for (int64_t j = lo; j < hi; ++j) y[j] = static_cast<T>(acc[j - lo]);
         }
-        for (int64_t j = lo; j < hi; ++j) y[j] = static_cast<T>(acc[j - lo]);
       }
     });
   }
 };
+
+// Where each global index of a concatenation of parts falls: (part, offset).
+class PartIndex {
+ public:
+  explicit PartIndex(const std::vector<int64_t>& sizes) : starts_(1, 0) {
+    for (int64_t s : sizes) starts_.push_back(starts_.back() + s);
+  }
+  int64_t total() const { return starts_.back(); }
+  int64_t start(int64_t part) const { return starts_[part]; }
+  int64_t PartOf(int64_t index) const {
+    return std::upper_bound(starts_.begin(), starts_.end(), index) - starts_.begin() - 1;
+  }
+
+ private:
+  std::vector<int64_t> starts_;
+};
+
+absl::Status CheckIndices(const int32_t* idx, int64_t k, int64_t n) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (idx[i] < 0 || idx[i] >= n) {
+      return InvalidArgument("indices[", i, "] = ", idx[i], " is out of range [0, n=", n, ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ZeroAt: the parts with the elements at `indices` (of their concatenation)
+// set to zero; each part's buffer is reused when nothing else holds it.
+class ZeroAtOp : public OpKernel {
+ public:
+  explicit ZeroAtOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    tensorflow::OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    const Tensor& indices = ctx->input(xs.size());
+    std::vector<int64_t> sizes;
+    std::vector<float*> parts;
+    for (int i = 0; i < xs.size(); ++i) {
+      sizes.push_back(xs[i].NumElements());
+      Tensor* y = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i}, i, xs[i].shape(), &y));
+      if (y->tensor_data().data() != xs[i].tensor_data().data()) {
+        std::memcpy(const_cast<char*>(y->tensor_data().data()), xs[i].tensor_data().data(),
+                    xs[i].TotalBytes());
+      }
+      parts.push_back(y->flat<float>().data());
+    }
+    const PartIndex where(sizes);
+    const int32_t* idx = indices.flat<int32_t>().data();
+    const int64_t k = indices.NumElements();
+    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t part = where.PartOf(idx[i]);
+      parts[part][idx[i] - where.start(part)] = 0.0f;
+    }
+  }
+};
+
+// ScatterMean: dense parts of `sizes` holding, at every index of their
+// concatenation, the sum of the values given for it (in input order) divided
+// by count; zero elsewhere. No dense tensor is made for any single payload.
+class ScatterMeanOp : public OpKernel {
+ public:
+  explicit ScatterMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &sizes_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("count", &count_));
+    OP_REQUIRES(ctx, count_ >= 1, InvalidArgument("count must be >= 1, got ", count_));
+    int n_outputs = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_outputs));
+    OP_REQUIRES(ctx, n_outputs == static_cast<int>(sizes_.size()),
+                InvalidArgument("ScatterMean needs one size per output: N=", n_outputs, ", ",
+                                sizes_.size(), " sizes"));
+    for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(0);
+    const Tensor& values = ctx->input(1);
+    const int64_t k = indices.NumElements();
+    OP_REQUIRES(ctx, values.NumElements() == k,
+                InvalidArgument("indices and values must have the same number of elements, got ", k,
+                                " and ", values.NumElements()));
+    const PartIndex where(sizes_);
+    const int32_t* idx = indices.flat<int32_t>().data();
+    const float* v = values.flat<float>().data();
+    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
+    tensorflow::OpOutputList ys;
+    OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
+    std::vector<float*> parts;
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      Tensor* y = nullptr;
+      OP_REQUIRES_OK(ctx, ys.allocate(i, TensorShape({sizes_[i]}), &y));
+      parts.push_back(y->flat<float>().data());
+    }
+    ParallelFor(ctx, static_cast<int64_t>(parts.size()), kChunk, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) std::fill(parts[i], parts[i] + sizes_[i], 0.0f);
+    });
+    // Sums, then one division per index that received a value (the first time it is met).
+    std::vector<bool> divided(where.total(), false);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t part = where.PartOf(idx[i]);
+      parts[part][idx[i] - where.start(part)] += v[i];
+    }
+    const float divisor = static_cast<float>(count_);
+    for (int64_t i = 0; i < k; ++i) {
+      if (divided[idx[i]]) continue;
+      divided[idx[i]] = true;
+      const int64_t part = where.PartOf(idx[i]);
+      parts[part][idx[i] - where.start(part)] /= divisor;
+    }
+  }
+
+ private:
+  std::vector<int64_t> sizes_;
+  int64_t count_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("ZeroAt").Device(DEVICE_CPU), ZeroAtOp);
+REGISTER_KERNEL_BUILDER(Name("ScatterMean").Device(DEVICE_CPU), ScatterMeanOp);
 
 #define REGISTER_TOPK_KERNELS(T)                                         \
   REGISTER_KERNEL_BUILDER(                                               \

@@ -11,23 +11,26 @@ using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
 REGISTER_OP("TopKAbs")
-    .Input("x: T")
+    .Input("xs: N * T")
     .Input("k: int32")
     .Output("values: T")
     .Output("indices: int32")
+    .Attr("N: int >= 1")
     .Attr("T: {float, half, bfloat16}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      const int k_input = c->num_inputs() - 1;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(k_input), 0, &unused));
       DimensionHandle k;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(1, &k));
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(k_input, &k));
       c->set_output(0, c->Vector(k));
       c->set_output(1, c->Vector(k));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-The k entries of x (flattened) with the largest |x|, in increasing index
-order. Among equal magnitudes the lower index wins; NaN counts as larger than
+The k entries of the concatenation of xs (each flattened) with the largest
+|x|, in increasing index order; the inputs are read in place, never
+concatenated. Among equal magnitudes the lower index wins; NaN counts as larger than
 +Inf, so non-finite entries are always selected.
 )doc");
 
@@ -49,6 +52,40 @@ REGISTER_OP("ScatterDense")
     .Doc(R"doc(
 Dense vector of length n, zero except y[indices[i]] += values[i]; duplicate
 indices are summed in input order.
+)doc");
+
+REGISTER_OP("ZeroAt")
+    .Input("xs: N * float")
+    .Input("indices: int32")
+    .Output("ys: N * float")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+xs with the elements at `indices` (of their concatenation) set to zero. An
+input nothing else holds is zeroed in place (no copy).
+)doc");
+
+REGISTER_OP("ScatterMean")
+    .Input("indices: int32")
+    .Input("values: float")
+    .Output("ys: N * float")
+    .Attr("N: int >= 1")
+    .Attr("sizes: list(int)")
+    .Attr("count: int")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> sizes;
+      TF_RETURN_IF_ERROR(c->GetAttr("sizes", &sizes));
+      for (size_t i = 0; i < sizes.size(); ++i) c->set_output(i, c->Vector(sizes[i]));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Vectors of `sizes` (parts of one concatenation), zero except at `indices`:
+there the values given for the index summed in input order, then divided by
+count. The allgathered (values, indices) of `count` ranks give their mean
+without a dense tensor per rank.
 )doc");
 
 }  // namespace hvd_compress

@@ -42,14 +42,18 @@ def run(compression, two_way, nesterov, process_set):
 
     for t in range(FLAGS.steps):
         step(*map(tf.constant, grads_of(process_set.rank(), t)))
-    assert opt.compression_exchange.layout.compressed == [0] and opt.compression_exchange.layout.dense == [1]
+    layout = opt.compression_exchange.layout
+    # Compression.fp16 compresses nothing: its 16-bit exchange is the one of uncompressed tensors.
+    assert (layout.compressed, layout.dense) == (([], [0, 1]) if compression is hc.Compression.fp16 else ([0], [1]))
     return w.numpy().reshape(-1), b.numpy()
 
 
-def reference_dense(nesterov, size):
-    x, m = np.zeros(DENSE, np.float32), np.zeros(DENSE, np.float32)
+def reference_dense(nesterov, size, variable=1, mean=lambda gs: np.mean(gs, axis=0, dtype=np.float32)):
+    """Keras SGD on the mean of the ranks' gradients of one variable (0: w, 1: b)."""
+    x = np.zeros(grads_of(0, 0)[variable].size, np.float32)
+    m = np.zeros_like(x)
     for t in range(FLAGS.steps):
-        g = np.mean([grads_of(r, t)[1] for r in range(size)], axis=0, dtype=np.float32)
+        g = mean([grads_of(r, t)[variable].reshape(-1) for r in range(size)])
         ref.keras_sgd(x, m, g, RATES[int(t > BOUNDARIES[0])], MU, nesterov)
     return x
 
@@ -191,6 +195,12 @@ def check_world(process_set, digests):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    w, b = run(hc.Compression.fp16, True, True, process_set)  # every tensor by the 16-bit exchange
+    for got, variable in ((w, 0), (b, 1)):
+        np.testing.assert_allclose(got, reference_dense(True, size, variable, ref.half_mean), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"n={size} fp16 variable {variable}")
+    assert not np.allclose(w, reference_dense(True, size, 0), rtol=1e-5, atol=1e-6)  # float16's rounding shows
+    digests[f"{size}/fp16"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
     sketches = {  # every candidate's exact sum (momentum masked or kept); the exact top-k among them; the
         # sketch's top-k; FetchSGD
         "sketch second_round=True": hc.Compression.sketch(ratio=6, seed=5),
