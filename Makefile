@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo text test bench wire clean
+.PHONY: setup demo text test bench wire tta clean
 
 setup:
 	HVD_COMPRESS_STACK=$(STACK) HVD_COMPRESS_VENV=$(VENV) ./scripts/setup.sh
@@ -30,10 +30,15 @@ bench: setup
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/accordion.py
 	$(PY) benchmarks/convergence.py
+	$(PY) benchmarks/overhead.py
 
 # Shaped links between network namespaces (needs root): tables at 100 Mbit/s, 1 and 10 Gbit/s.
 wire: setup
 	$(PY) benchmarks/wire.py
+
+# The same shaped links (needs root): seconds to a test accuracy per method, at 1 and 10 Gbit/s on 2 and 4 ranks.
+tta: setup
+	$(PY) benchmarks/time_to_accuracy.py
 
 clean:
 	rm -rf build hvd_compress/_tf_ops*.so

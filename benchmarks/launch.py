@@ -2,14 +2,18 @@
 
 A benchmark script runs itself under horovodrun with --role=worker; rank 0
 writes its figures to the JSON file named by --result, which the launcher
-returns.
+returns. On a shaped network (netns.Network), `run_in_namespaces` starts the
+ranks itself, one per namespace, and returns every rank's JSON.
 """
 import json
 import os
 import pathlib
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def mlp(keras, layers):
@@ -37,8 +41,8 @@ def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
                          dict(TF_NUM_INTRAOP_THREADS=str(threads_per_rank), TF_NUM_INTEROP_THREADS="1"), timeout)
 
 
-def warm_step(keras, model, optimizer, batch_size, warmup=3):
-    """A compiled training step on one fixed random batch, already run `warmup` times.
+def training_step(keras, model, optimizer):
+    """A compiled training step, step(x, y) -> loss, on a batch of inputs x and integer labels y.
 
     The step calls `optimizer.minimize(loss, variables, tape=tape)`, as Keras's
     Model.train_step does: Horovod's own DistributedOptimizer allreduces in
@@ -46,17 +50,28 @@ def warm_step(keras, model, optimizer, batch_size, warmup=3):
     """
     import tensorflow as tf
 
-    classes = model.output_shape[-1]
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x = tf.random.normal([batch_size, *model.input_shape[1:]])
-    y = tf.random.uniform([batch_size], 0, classes, tf.int64)
 
     @tf.function
-    def step():
+    def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         optimizer.minimize(loss, model.trainable_variables, tape=tape)
         return loss
+
+    return step
+
+
+def warm_step(keras, model, optimizer, batch_size, warmup=3):
+    """training_step on one fixed random batch, as a function of no arguments, already run `warmup` times."""
+    import tensorflow as tf
+
+    train = training_step(keras, model, optimizer)
+    x = tf.random.normal([batch_size, *model.input_shape[1:]])
+    y = tf.random.uniform([batch_size], 0, model.output_shape[-1], tf.int64)
+
+    def step():
+        return train(x, y)
 
     for _ in range(warmup):
         step().numpy()
@@ -68,3 +83,104 @@ def run_example(script, ranks, flags, timeout=1200):
     examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
     return _run_for_json(examples / script, ranks, flags, "history",
                          dict(PYTHONPATH=str(examples), TF_CPP_MIN_LOG_LEVEL="2"), timeout)
+
+
+# -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------
+def run_in_namespaces(net, argv, timeout, what):
+    """Runs `argv --result=<file>` as every rank of net (a netns.Network), each in its own namespace;
+    returns the JSON each rank wrote to its file, ordered by rank.
+
+    No horovodrun: this starts Horovod's own RendezvousServer (bound to all addresses; the ranks
+    reach it at net.server_address), gives each rank the HOROVOD_* variables that horovodrun's Gloo
+    launcher would (horovod.runner.gloo_run.create_run_env_vars and create_slot_env_vars), and
+    starts it with net.command(rank, ...). Every rank gets an equal share of the CPU cores for
+    TensorFlow's intra-op threads. All ranks are killed at the first failure or after `timeout`
+    seconds, and the error carries the end of their logs; `what` names the job in it.
+    """
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    n = net.num_ranks
+    plan = get_host_assignments(parse_hosts(",".join(f"{h}:1" for h in net.hostnames)), n)
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        tmp = pathlib.Path(tmp)
+        try:
+            for slot in plan:
+                env = dict(os.environ, **create_run_env_vars(net.server_address, [net.iface], port),
+                           **create_slot_env_vars(slot))
+                env.update(TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
+                           TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                           TF_CPP_MIN_LOG_LEVEL="2")
+                env = {k: str(v) for k, v in env.items()}
+                with open(tmp / f"rank{slot.rank}.log", "w") as log:
+                    procs.append(subprocess.Popen(
+                        net.command(slot.rank, [*argv, f"--result={tmp / f'rank{slot.rank}.json'}"]), env=env,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            wait_all(procs, timeout, lambda: logs(tmp, n), what)
+            return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it has just exited
+                        pass
+                    p.wait()
+            server.stop()
+
+
+def wait_all(procs, timeout, logs_fn, what):
+    """Waits for every rank; kills them all at the first failure or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            reason = (f"rank {procs.index(failed[0])} exited with {failed[0].returncode}" if failed
+                      else f"timed out after {timeout}s")
+            raise RuntimeError(f"{what}: {reason}; the ranks were killed.\n{logs_fn()}")
+        time.sleep(0.2)
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{what}: exit codes {[p.returncode for p in procs]}.\n{logs_fn()}")
+
+
+def logs(tmp, n, lines=30):
+    return "\n".join(f"--- rank {r} (last {lines} lines) ---\n" + "\n".join(
+        (tmp / f"rank{r}.log").read_text(errors="replace").splitlines()[-lines:]) for r in range(n))
+
+
+def prepare_network_run(script, rates):
+    """For a launcher that builds netns.Network's: fails now on a bad rate (not after an hour of
+    measurements), exits with status 2 and the reason where this process cannot build the network
+    (not root, no iproute2), and makes Ctrl-C (even where a shell started us with SIGINT ignored),
+    SIGTERM and SIGHUP end the launcher with an exception, so every finally block (the network's
+    removal, the ranks' killing) runs."""
+    import netns
+
+    for rate in rates:
+        netns.rate_bits(rate)
+    reason = netns.check_rights()
+    if reason:
+        print(f"{script}: cannot run: {reason}.", file=sys.stderr)
+        sys.exit(2)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+
+def command_line(script, **flags):
+    """The shell command that runs `script` (a path) with these flags under this interpreter, paths
+    relative to the working directory where they lie below it: lists are joined with commas and
+    booleans written true/false, as absl reads them."""
+    def value(v):
+        if isinstance(v, bool):
+            return str(v).lower()
+        return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    return shlex.join([python, os.path.relpath(pathlib.Path(script).resolve()),
+                       *(f"--{name}={value(v)}" for name, v in flags.items())])

@@ -50,7 +50,8 @@ Prints one markdown table per rate, the command that reproduces it, and
 writes every row (per-rank figures included) to --out.
 
 Methods (make_optimizer): fp32 and fp16 are Horovod's own
-horovod.tensorflow.keras.DistributedOptimizer; onebit, onebit_oneway, topk,
+horovod.tensorflow.keras.DistributedOptimizer; hc_fp16 (hvd_compress's own 16-bit exchange), onebit,
+onebit_oneway, topk,
 randomk, sketch (ratio 4), fetchsgd (ratio 4), topk_4x (top-k at their bytes on 2
 ranks, 1/8 of the coordinates) and powersgd are hc.DistributedOptimizer; sgp is
 hc.PushSumOptimizer; accordion_critical and accordion_calm are Accordion's
@@ -62,13 +63,9 @@ on random batches of --batch_size per rank.
 import json
 import os
 import pathlib
-import shlex
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -82,7 +79,8 @@ import results  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # make_optimizer's table:
-METHODS = ["fp32", "fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "fetchsgd", "topk_4x", "powersgd",
+METHODS = ["fp32", "fp16", "hc_fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "fetchsgd", "topk_4x",
+           "powersgd",
            "sgp", "accordion_critical", "accordion_calm"]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
@@ -137,6 +135,8 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer):
     table = {
         "fp32": (lambda: hvd.DistributedOptimizer(base_optimizer), ring(4)),
         "fp16": (lambda: hvd.DistributedOptimizer(base_optimizer, compression=hvd.Compression.fp16), ring(2)),
+        # hvd_compress's own 16-bit exchange: fused F16C casts, each shard summed in float32 by its owner.
+        "hc_fp16": (distributed(compression=hc.Compression.fp16), hc_exchange),
         "onebit": (distributed(compression=hc.Compression.onebit(), two_way=True), hc_exchange),
         "onebit_oneway": (distributed(compression=hc.Compression.onebit(), two_way=False), hc_exchange),
         "topk": (distributed(compression=hc.Compression.topk(ratio=0.01)), hc_exchange),
@@ -227,64 +227,10 @@ def worker():
 # -- launcher -------------------------------------------------------------------------------------
 def run_job(net, model, method):
     """Runs one job on net's ranks; returns the ranks' JSON, ordered by rank."""
-    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
-    from horovod.runner.http.http_server import RendezvousServer
-
-    n = net.num_ranks
-    plan = get_host_assignments(parse_hosts(",".join(f"{h}:1" for h in net.hostnames)), n)
-    server = RendezvousServer(verbose=0)
-    port = server.start()
-    server.init(plan)
-    procs = []
-    with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
-        tmp = pathlib.Path(tmp)
-        try:
-            for slot in plan:
-                env = dict(os.environ, **create_run_env_vars(net.server_address, [net.iface], port),
-                           **create_slot_env_vars(slot))
-                env.update(TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
-                           TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                           TF_CPP_MIN_LOG_LEVEL="2")
-                env = {k: str(v) for k, v in env.items()}
-                argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker",
-                        f"--model={model}", f"--method={method}", f"--steps={FLAGS.steps}",
-                        f"--warmup={FLAGS.warmup}", f"--batch_size={FLAGS.batch_size}",
-                        f"--idle_s={FLAGS.idle_s}",
-                        f"--result={tmp / f'rank{slot.rank}.json'}"]
-                with open(tmp / f"rank{slot.rank}.log", "w") as log:
-                    procs.append(subprocess.Popen(net.command(slot.rank, argv), env=env, stdout=log,
-                                                  stderr=subprocess.STDOUT, start_new_session=True))
-            wait_all(procs, FLAGS.timeout, lambda: logs(tmp, n), f"{model} {method} on {n} ranks")
-            return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:  # it has just exited
-                        pass
-                    p.wait()
-            server.stop()
-
-
-def wait_all(procs, timeout, logs_fn, what):
-    """Waits for every rank; kills them all at the first failure or at the timeout."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            reason = (f"rank {procs.index(failed[0])} exited with {failed[0].returncode}" if failed
-                      else f"timed out after {timeout}s")
-            raise RuntimeError(f"{what}: {reason}; the ranks were killed.\n{logs_fn()}")
-        time.sleep(0.2)
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{what}: exit codes {[p.returncode for p in procs]}.\n{logs_fn()}")
-
-
-def logs(tmp, n, lines=30):
-    return "\n".join(f"--- rank {r} (last {lines} lines) ---\n" + "\n".join(
-        (tmp / f"rank{r}.log").read_text(errors="replace").splitlines()[-lines:]) for r in range(n))
+    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
+            f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+            f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
+    return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.num_ranks} ranks")
 
 
 def summarize(rate, model, method, ranks):
@@ -326,22 +272,11 @@ def print_table(rate, rows):
 
 
 def command_line():
-    script = os.path.relpath(pathlib.Path(__file__).resolve())
-    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    return shlex.join([python, script, f"--rates={','.join(FLAGS.rates)}", f"--ranks={','.join(FLAGS.ranks)}",
-                       f"--models={','.join(FLAGS.models)}", f"--methods={','.join(FLAGS.methods)}",
-                       f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
-                       f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}",
-                       f"--slow_start_after_idle={str(FLAGS.slow_start_after_idle).lower()}",
-                       f"--timeout={FLAGS.timeout}", f"--out={FLAGS.out}"])
-
-
-def exit_on_signals():
-    """Ctrl-C (even where a shell started us with SIGINT ignored), SIGTERM and SIGHUP end the
-    launcher with an exception, so every finally block cleans up."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    return launch.command_line(__file__, rates=FLAGS.rates, ranks=FLAGS.ranks, models=FLAGS.models,
+                               methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
+                               batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
+                               slow_start_after_idle=FLAGS.slow_start_after_idle, timeout=FLAGS.timeout,
+                               out=FLAGS.out)
 
 
 def main(_):
@@ -350,13 +285,7 @@ def main(_):
     for name, chosen, known in (("methods", FLAGS.methods, METHODS), ("models", FLAGS.models, MODELS)):
         if set(chosen) - set(known):
             sys.exit(f"wire.py: unknown {name} {sorted(set(chosen) - set(known))}; known: {known}")
-    for rate in FLAGS.rates:
-        netns.rate_bits(rate)  # a bad rate fails now, not after an hour of measurements
-    reason = netns.check_rights()
-    if reason:
-        print(f"wire.py: cannot run: {reason}.", file=sys.stderr)
-        sys.exit(2)
-    exit_on_signals()
+    launch.prepare_network_run("wire.py", FLAGS.rates)
     rows = []
     for rate in FLAGS.rates:
         for n in map(int, FLAGS.ranks):

@@ -11,6 +11,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
+from hvd_compress import exchange
 import np_reference as ref
 from _worker import init_world_sizes, launch_size, report
 
@@ -195,12 +196,15 @@ def check_world(process_set, digests):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    w, b = run(hc.Compression.fp16, True, True, process_set)  # every tensor by the 16-bit exchange
-    for got, variable in ((w, 0), (b, 1)):
-        np.testing.assert_allclose(got, reference_dense(True, size, variable, ref.half_mean), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"n={size} fp16 variable {variable}")
-    assert not np.allclose(w, reference_dense(True, size, 0), rtol=1e-5, atol=1e-6)  # float16's rounding shows
-    digests[f"{size}/fp16"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    for chunk_bytes in (exchange.HALF_CHUNK_BYTES, 256):  # the buffer in one piece, and in pieces of 256 bytes
+        exchange.HALF_CHUNK_BYTES, default = chunk_bytes, exchange.HALF_CHUNK_BYTES
+        w, b = run(hc.Compression.fp16, True, True, process_set)  # every tensor by the 16-bit exchange
+        exchange.HALF_CHUNK_BYTES = default
+        for got, variable in ((w, 0), (b, 1)):
+            np.testing.assert_allclose(got, reference_dense(True, size, variable, ref.half_mean), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"n={size} fp16 variable {variable}, {chunk_bytes} B pieces")
+        assert not np.allclose(w, reference_dense(True, size, 0), rtol=1e-5, atol=1e-6)  # float16's rounding shows
+        digests[f"{size}/fp16 {chunk_bytes}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
     sketches = {  # every candidate's exact sum (momentum masked or kept); the exact top-k among them; the
         # sketch's top-k; FetchSGD
         "sketch second_round=True": hc.Compression.sketch(ratio=6, seed=5),

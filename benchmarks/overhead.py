@@ -1,0 +1,381 @@
+"""What compression adds to a step's computation: step time on one rank with no network, by phase.
+
+    .venv/bin/python benchmarks/overhead.py                                   # both models, every method
+    .venv/bin/python benchmarks/overhead.py --models=digits_cnn --methods=sgd,onebit --steps=5
+
+One rank, no horovodrun: Horovod's size is 1 (hvd.init() works without a
+launcher), so the collectives move no bytes and what is left is the
+computation each method adds, and Horovod's own cost of running a collective
+(copies into and out of its buffers, handing the op to its background thread
+and back). Per model (benchmarks/wire.py's mlp25m and digits_cnn) and method,
+a fresh process (this script, --role=worker) builds the model and the
+optimizer (wire.make_optimizer's table; sgd is the bare Keras SGD, no Horovod
+wrapper, the baseline; all on SGD(0.01, momentum 0.9, Nesterov)), compiles
+launch.training_step on one random batch of --batch_size, runs it --warmup
+times, then:
+- step ms: the median wall time of --steps steps (step().numpy()), not profiled;
+  beside it, the ms it adds to plain SGD's step, and the ratio;
+- phases: --profile_steps more steps under TensorFlow's profiler
+  (tf.profiler.experimental, host tracer), whose XSpace
+  (tensorflow.tsl.profiler.protobuf.xplane_pb2) has one event per op the
+  executor ran, named by the op's node name (name scopes included) and type.
+  TF_NUM_INTEROP_THREADS=1 (set for the workers), so ops run one after
+  another. Each op is charged its own time and the idle time after it until
+  the next op starts (the executor's bookkeeping), except idle time while a
+  Horovod collective is outstanding (from its ProcessAsync::Start to its
+  ProcessAsync::Done on Horovod's thread), which is charged to the collective.
+  An op's phase:
+  - collective: Horovod ops (HorovodAllreduce, HorovodAlltoall, ..., and the
+    tiny HorovodSize/HorovodRank queries);
+  - apply: the optimizer's own scope (the Keras optimizer's name, e.g. SGD/:
+    momentum and variable updates) and hvd_compress's hc_state_update scopes
+    (residual e = a - D and its assign, worker momentum, the exchange's state,
+    direct variable updates; hvd_compress/optimizer.py);
+  - encode / decode: the exchange's scope (hvd_compress's hc_exchange: error
+    feedback, the dense tensors' grouped allreduce, every bucket's exchange;
+    Horovod's DistributedOptimizer's <name>_Allreduce: its fp16 casts).
+    encode: the ops that feed a collective (through data inputs, in the
+    step's graph) and that no collective feeds: what is done before the first
+    collective; decode: the rest, what is done with what the collectives
+    return (two-way onebit's server stage between its alltoall and its
+    allgather included) and the local decoding of what was sent (for the
+    residual). An op the graph does not name (a node Grappler added) counts as
+    encode if it started before the step's first collective, decode if not;
+  - compute: everything else (forward, loss, backward).
+  runtime: the rest of the profiled step (tf.function call and return, the
+  executor's start), so the phases and runtime add up to the profiled step.
+  Each phase is its median over the profiled steps. The profiler adds a little
+  to every op; the profiled step is shown beside the unprofiled one.
+On one rank a collective moves no bytes, but Horovod still hands it to its
+background thread, which runs collectives once per cycle (HOROVOD_CYCLE_TIME,
+1 ms by default): a chain of collectives (onebit's alltoall, then allgather)
+waits up to a cycle for each. What Horovod's thread does while the executor
+runs other ops (on a second core) is not in the collective column: only the
+executor's wait is. Horovod's DistributedOptimizer (fp32, fp16)
+skips its allreduce, fp16 casts included, where the process set has one rank
+(a tf.cond on size > 1: horovod.tensorflow._allreduce_cond); with
+--horovod_allreduce_at_size_1 (the default) this script makes it run them, as
+on more ranks, so that its rows show what its exchange costs.
+Prints one markdown table per model and writes every row (with each phase's
+costliest ops) to --out. The figures are one CPU's computation: run it on a
+quiet machine (nothing else running), with --threads intra-op threads per
+rank (1 by default, as benchmarks/wire.py gives each rank on a 2-core
+machine).
+
+Flags shared with benchmarks/wire.py (its module defines them; this one reuses
+them, with its own defaults): --methods, --models, --steps, --warmup,
+--batch_size, --timeout, --out, and the worker's --role, --method, --model,
+--result.
+"""
+import collections
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf_keras: the baselines are Horovod's Keras wrappers
+
+from absl import app, flags  # noqa: E402
+
+import launch  # noqa: E402
+import results  # noqa: E402
+import wire  # noqa: E402
+
+PHASES = ["compute", "encode", "collective", "decode", "apply"]
+BASELINE = "sgd"  # the bare Keras optimizer
+DEFAULT_METHODS = [BASELINE, "fp32", "fp16", "hc_fp16", "onebit", "topk", "randomk", "sketch", "powersgd"]
+COLLECTIVE = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Alltoall|Broadcast|Reducescatter)")
+EXCHANGE_SCOPE = re.compile(r"(hc_exchange|Distributed\w*_Allreduce)(_\d+)?")
+STATE_SCOPE = "hc_state_update"
+OP_EVENT = re.compile(r"([^:\s]+):(\w+)")  # a synchronous op: "node/name:Type"
+ASYNC_START, ASYNC_DONE = "ExecutorState::ProcessAsync::Start", "ExecutorState::ProcessAsync::Done"
+
+flags.DEFINE_integer("profile_steps", 10, "Profiled steps (after the timed ones) for the phases.")
+flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter-op: always 1).")
+flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
+flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (fp32, fp16) run its "
+                  "allreduce and casts on one rank, where it otherwise skips them.")
+for name in ("methods", "models", "steps", "warmup", "batch_size", "timeout", "out"):
+    flags.declare_key_flag(name)  # wire.py's, listed in --help
+FLAGS = flags.FLAGS
+FLAGS.set_default("methods", DEFAULT_METHODS)
+FLAGS.set_default("steps", 20)
+FLAGS.set_default("out", "results/overhead.json")
+
+
+# -- worker: one model and method in this process --------------------------------------------------
+def worker():
+    import hvd_compress as hc
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)
+    model = wire.build_model(keras, FLAGS.model)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True)
+    if FLAGS.horovod_allreduce_at_size_1:
+        allreduce_at_size_1(hvd)
+    if FLAGS.method != BASELINE:
+        optimizer, _ = wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method, optimizer)
+    train = launch.training_step(keras, model, optimizer)  # a tf.function: its graph tells encode from decode
+    x = tf.random.normal([FLAGS.batch_size, *model.input_shape[1:]])
+    y = tf.random.uniform([FLAGS.batch_size], 0, model.output_shape[-1], tf.int64)
+    step = lambda: train(x, y)  # noqa: E731
+    times = []
+    for _ in range(FLAGS.warmup + FLAGS.steps):
+        start = time.perf_counter()
+        step().numpy()
+        times.append(1000 * (time.perf_counter() - start))
+    times = times[FLAGS.warmup:]
+    roles = exchange_roles(train.get_concrete_function(x, y).graph.as_graph_def())
+    steps = [attribute(ops, window, collectives, roles, optimizer.name)
+             for ops, window, collectives in step_events(profile(step, FLAGS.profile_steps))]
+    median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+        model=FLAGS.model, method=FLAGS.method, params=int(sum(v.shape.num_elements()
+                                                                for v in model.trainable_variables)),
+        step_ms=statistics.median(times), step_ms_each=times,
+        phases_ms={p: median(p) for p in PHASES}, runtime_ms=median("runtime"),
+        profiled_step_ms=median("step"), top_ops=top_ops(steps, FLAGS.top_ops),
+        steps=FLAGS.steps, warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
+        batch_size=FLAGS.batch_size, intra_op_threads=FLAGS.threads,
+        horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1)))
+
+
+def allreduce_at_size_1(hvd):
+    """Makes horovod.tensorflow's DistributedOptimizer allreduce (and cast, for fp16) on one rank too:
+    it goes through _allreduce_cond and _grouped_allreduce_cond, a tf.cond on the process set's size
+    > 1, which pick the collective as they would on more ranks once replaced by it."""
+    hvd._allreduce_cond = lambda tensor, *args, **kwargs: hvd.allreduce(tensor, *args, **kwargs)
+    hvd._grouped_allreduce_cond = lambda tensors, *args, **kwargs: hvd.grouped_allreduce(tensors, *args, **kwargs)
+
+
+def exchange_roles(graph_def):
+    """{op name: "encode" or "decode"} for every op of the step's graph and of the functions it calls
+    (named as Grappler names them once inlined: <call op>/<op>): encode if it feeds a Horovod
+    collective of its graph and no collective feeds it, decode otherwise. Data inputs only
+    (tf.function's automatic control dependencies chain stateful ops in program order)."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    roles = {}
+
+    def visit(nodes, prefix):
+        inputs = {n.name: [i.split(":")[0] for i in n.input if not i.startswith("^")] for n in nodes}
+        consumers = collections.defaultdict(list)
+        for name, sources in inputs.items():
+            for source in sources:
+                consumers[source].append(name)
+        collectives = [n.name for n in nodes if COLLECTIVE.fullmatch(n.op)]
+        upstream = reachable(collectives, lambda name: inputs.get(name, []))
+        downstream = reachable(collectives, lambda name: consumers[name])
+        for n in nodes:
+            roles[prefix + n.name] = "encode" if n.name in upstream and n.name not in downstream else "decode"
+            if n.attr["f"].func.name in functions:  # (Stateful)PartitionedCall
+                visit(functions[n.attr["f"].func.name].node_def, f"{prefix}{n.name}/")
+
+    visit(graph_def.node, "")
+    return roles
+
+
+def reachable(names, neighbours):
+    """The names reachable from `names` (themselves excluded) through neighbours(name)."""
+    seen, todo = set(), list(names)
+    while todo:
+        for name in neighbours(todo.pop()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def profile(step, count):
+    """Runs `count` steps under TensorFlow's profiler (host tracer only); their XSpace."""
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory(prefix="overhead-") as logdir:
+        tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=2, python_tracer_level=0, device_tracer_level=0))
+        try:
+            for _ in range(count):
+                step().numpy()
+        finally:
+            tf.profiler.experimental.stop()
+        paths = list(pathlib.Path(logdir).rglob("*.xplane.pb"))
+        if len(paths) != 1:
+            raise RuntimeError(f"expected one .xplane.pb under the profiler's folder, found {paths}")
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(paths[0].read_bytes())
+        return space
+
+
+Event = collections.namedtuple("Event", "name start end stats")  # times in ms
+
+
+def host_events(space):
+    """Every event of the host plane, all threads, with its stats by name (references resolved)."""
+    plane = next(p for p in space.planes if p.name == "/host:CPU")
+    stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
+
+    def value(stat):
+        kind = stat.WhichOneof("value")
+        return stat_names[stat.ref_value] if kind == "ref_value" else getattr(stat, kind)
+
+    for line in plane.lines:
+        for e in line.events:
+            start = line.timestamp_ns / 1e6 + e.offset_ps / 1e9
+            yield Event(plane.event_metadata[e.metadata_id].name, start, start + e.duration_ps / 1e9,
+                        {stat_names[s.metadata_id]: value(s) for s in e.stats})
+
+
+def step_events(space):
+    """Per profiled step: (ops, window, collectives). ops: (name, type, start, end) sorted by start,
+    an asynchronous op (Horovod's collectives) by its start; window: the tf.function call's
+    (start, end); collectives: (start, end) from each asynchronous op's start to its completion."""
+    events = list(host_events(space))
+    windows = sorted((e.start, e.end) for e in events if "tf_function_call" in e.stats)
+    done = {(e.stats.get("name"), e.stats.get("step_id")): e.end for e in events if e.name == ASYNC_DONE}
+    ops, collectives = [], []
+    for e in events:
+        if e.name == ASYNC_START:
+            ops.append((e.stats["name"], e.stats["kernel_type"], e.start, e.end))
+            collectives.append((e.start, done.get((e.stats["name"], e.stats.get("step_id")), e.end)))
+        elif OP_EVENT.fullmatch(e.name):
+            ops.append((*e.name.split(":"), e.start, e.end))
+    ops.sort(key=lambda op: op[2])
+    for start, end in windows:
+        yield ([op for op in ops if start <= op[2] < end], (start, end),
+               [c for c in collectives if start <= c[0] < end])
+
+
+def overlap(start, end, intervals):
+    """How much of [start, end) the union of `intervals` covers."""
+    covered, reach = 0.0, start
+    for s, e in sorted(intervals):
+        s, e = max(s, reach), min(e, end)
+        if e > s:
+            covered += e - s
+            reach = e
+    return covered
+
+
+def phase_of(name, kind, start, first_collective, roles, apply_scope):
+    if kind.startswith("Horovod"):
+        return "collective"
+    scopes = name.split("/")[:-1]
+    if any(scope.startswith(STATE_SCOPE) or re.fullmatch(rf"{re.escape(apply_scope)}(_\d+)?", scope)
+           for scope in scopes):
+        return "apply"
+    if any(EXCHANGE_SCOPE.fullmatch(scope) for scope in scopes):
+        return roles.get(name) or ("encode" if start < first_collective else "decode")  # Grappler's: by time
+    return "compute"
+
+
+def attribute(ops, window, collectives, roles, apply_scope):
+    """One profiled step's ms per phase, "runtime" (the window outside the ops), "step" (the window),
+    and "ops": ms per (phase, op name)."""
+    first_collective = min((c[0] for c in collectives), default=window[1])
+    ms = dict.fromkeys(PHASES, 0.0)
+    per_op = collections.Counter()
+    for i, (name, kind, start, end) in enumerate(ops):
+        following = ops[i + 1][2] if i + 1 < len(ops) else window[1]
+        end = min(end, following)
+        idle_waiting = overlap(end, following, collectives)
+        phase = phase_of(name, kind, start, first_collective, roles, apply_scope)
+        own = following - start - idle_waiting
+        ms[phase] += own
+        ms["collective"] += idle_waiting
+        per_op[phase, name] += own
+        per_op["collective", "(waiting for Horovod)"] += idle_waiting
+    runtime = (window[1] - window[0]) - sum(ms.values())
+    return dict(ms, runtime=runtime, step=window[1] - window[0], ops=per_op)
+
+
+def top_ops(steps, count):
+    """Per phase, its `count` costliest ops (mean ms per profiled step)."""
+    total = sum((s["ops"] for s in steps), collections.Counter())
+    return {p: [(name, ms / len(steps)) for (phase, name), ms in total.most_common() if phase == p][:count]
+            for p in PHASES}
+
+
+# -- launcher: a worker per model and method ---------------------------------------------------------
+def run_job(model, method):
+    """Runs one worker (a fresh process: nothing left over from the other methods); its row."""
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        result = pathlib.Path(tmp) / "row.json"
+        argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
+                f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+                f"--profile_steps={FLAGS.profile_steps}", f"--batch_size={FLAGS.batch_size}",
+                f"--threads={FLAGS.threads}", f"--top_ops={FLAGS.top_ops}", f"--result={result}",
+                f"--horovod_allreduce_at_size_1={str(FLAGS.horovod_allreduce_at_size_1).lower()}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}  # one rank, not a launcher's
+        env.update(TF_NUM_INTRAOP_THREADS=str(FLAGS.threads), TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1",
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        done = subprocess.run(argv, env=env, timeout=FLAGS.timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        if done.returncode:
+            tail = "\n".join(done.stdout.splitlines()[-30:])
+            raise RuntimeError(f"{model} {method}: the worker exited with {done.returncode}:\n{tail}")
+        return json.loads(result.read_text())
+
+
+def print_table(model, rows):
+    baseline = next((r for r in rows if r["method"] == BASELINE), None)
+    print(f"\n### {model} ({rows[0]['params']:,} parameters, batch {FLAGS.batch_size})\n")
+    print("| method | step ms | vs plain SGD | " + " | ".join(PHASES) + " | runtime | profiled step |")
+    print("|---|---:|---:|" + "---:|" * (len(PHASES) + 2))
+    for r in rows:
+        versus = (f"{r['step_ms'] - baseline['step_ms']:+.1f} ms ({r['step_ms'] / baseline['step_ms']:.2f}x)"
+                  if baseline else "-")
+        print(f"| {r['method']} | {r['step_ms']:.1f} | {versus} | "
+              + " | ".join(f"{r['phases_ms'][p]:.2f}" for p in PHASES)
+              + f" | {r['runtime_ms']:.2f} | {r['profiled_step_ms']:.1f} |")
+
+
+def main(_):
+    if FLAGS.role == "worker":
+        return worker()
+    known = [BASELINE, *wire.METHODS]
+    for name, chosen, allowed in (("methods", FLAGS.methods, known), ("models", FLAGS.models, wire.MODELS)):
+        if set(chosen) - set(allowed):
+            sys.exit(f"overhead.py: unknown {name} {sorted(set(chosen) - set(allowed))}; known: {allowed}")
+    print(f"One rank, no network (Horovod size 1). Per method: the median of {FLAGS.steps} steps after "
+          f"{FLAGS.warmup} warmup, then {FLAGS.profile_steps} profiled steps for the phases (ms, each the median "
+          f"over them), {FLAGS.threads} intra-op and 1 inter-op TensorFlow thread. These are CPU timings: "
+          f"the machine should be quiet (nothing else running).", flush=True)
+    rows = []
+    for model in FLAGS.models:
+        for method in FLAGS.methods:
+            rows.append(run_job(model, method))
+            r = rows[-1]
+            print(f"{model} {method}: step {r['step_ms']:.1f} ms; " + ", ".join(
+                f"{p} {r['phases_ms'][p]:.2f}" for p in PHASES) + f" ms (profiled step {r['profiled_step_ms']:.1f} "
+                  f"ms)", flush=True)
+    for model in FLAGS.models:
+        print_table(model, [r for r in rows if r["model"] == model])
+    print("\nstep ms: unprofiled median. vs plain SGD: ms added to the bare Keras SGD's step, and the ratio. "
+          "Phases (profiled): compute = forward + backward; encode = the exchange's ops that feed a collective "
+          "(error feedback, compression, casts); collective = Horovod's ops and the wait for them (on one rank: "
+          "its own overhead, copies and cycle); decode = the exchange's ops after them; apply = the optimizer's "
+          "updates and hvd_compress's residual / momentum / state assigns; runtime = the tf.function call "
+          "outside the ops. fp32 / fp16 (Horovod's DistributedOptimizer) "
+          + ("run their allreduce here, which Horovod skips on one rank. " if FLAGS.horovod_allreduce_at_size_1
+             else "skip their allreduce on one rank, as Horovod does. ")
+          + "See the docstring of benchmarks/overhead.py.")
+    command = launch.command_line(__file__, models=FLAGS.models, methods=FLAGS.methods, steps=FLAGS.steps,
+                                  warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
+                                  batch_size=FLAGS.batch_size, threads=FLAGS.threads,
+                                  horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1, out=FLAGS.out)
+    print(f"\nReproduce with:\n    {command}")
+    results.save(FLAGS.out, rows)
+
+
+if __name__ == "__main__":
+    app.run(main)

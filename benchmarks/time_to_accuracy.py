@@ -1,0 +1,272 @@
+"""Wall-clock time to a test accuracy on a real shaped link: N ranks, each in its own network namespace.
+
+    sudo .venv/bin/python benchmarks/time_to_accuracy.py           # 1gbit,10gbit x 2,4 ranks, 6 methods
+    .venv/bin/python benchmarks/time_to_accuracy.py --rates=10gbit --ranks=2 --methods=fp32,onebit --epochs=2
+
+Needs root (it exits with status 2 and says why otherwise). The network and
+the launching are wire.py's: for every rate and number of ranks N,
+netns.Network(N, rate) gives rank i its own namespace and a veth shaped to the
+rate in both directions, and launch.run_in_namespaces starts the ranks through
+Horovod's RendezvousServer with a hard timeout per job (--timeout). The
+methods are wire.make_optimizer's (fp32 and fp16 are Horovod's own
+DistributedOptimizer; hc_fp16, onebit (two-way), topk (1%) and powersgd (rank
+4) hvd_compress's). Flags this script shares with wire.py (--rates, --ranks,
+--methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
+wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
+and --models do not apply here.
+
+The task is the bundled digits (examples/digits.py: scikit-learn's 8x8
+images, nothing to download, a fixed stratified 80/20 split, rank r trains on
+its own shard in a seeded order) with a wide ReLU MLP, 64 -> 4096 -> 4096 ->
+1024 -> 10: 21.3M parameters, 85 MB of float32 gradient. Digits needs nothing
+that wide (examples/digits.py's 20k-parameter CNN reaches 0.98 in
+benchmarks/convergence.py), which is the point: the compute is small, 4 GFLOP
+a step of 32 images (0.12 s for a batch of 64 on one idle core here), while
+Horovod's fp32 ring allreduce sends 2 (N-1)/N x 85 MB per rank and step:
+0.7 s on 2 ranks and 1.1 s on 4 at 1 Gbit/s. So at 1 Gbit/s the exchange
+dominates the step, as it does for a large model on a slow network, and a
+method's bytes per step show up in its time to accuracy; at 10 Gbit/s (70 to
+110 ms of transfer) compute, the allreduce's own summing and the methods'
+compression cost weigh as much or more (measured on 2 ranks sharing this VM's
+2 cores with other work: fp32 270-780 ms a step, Horovod fp16 480-780 ms,
+onebit 240-420 ms, as that load varied). Still the model trains to ~0.97 in
+seconds of compute.
+
+The defaults, --lr=0.02 and --epochs=12, were tuned briefly (one process,
+batch 64 and 128, i.e. 2 and 4 ranks of 32): fp32 reaches 0.96-0.97 test
+accuracy by epoch 7-10 on both. 0.05 gets fp32 there a little sooner (0.97
+by epoch 5 at batch 64), but two-way onebit then oscillates between 0.90 and
+0.96 (final 0.93 after 10 epochs on 2 ranks); at 0.02 it stays within
+0.94-0.975 after epoch 3. The test split has 360 images, so one evaluation
+moves by 1/360 = 0.0028 per image; a model near convergence still moves by
+about 0.01 between evaluations, which is why the target has a margin.
+
+Every method trains with the same seed (the same initial weights on every
+rank and in every run), the same shards and data order, the same batch per
+rank (--batch_size) and SGD(--lr, momentum 0.9, nesterov), for --epochs epochs
+or until --max_seconds of training clock have passed (checked at evaluations,
+so all ranks stop together). Every --eval_every steps (and before the first
+and after the last) rank 0 measures the test accuracy while the others wait;
+then an allgather of the ranks' clocks is the barrier that restarts all ranks
+together.
+
+The clock: each rank adds up the wall-clock time of its steps (fetching the
+batch, forward, backward, exchange, update), so evaluation, the barrier and
+start-up are not counted; the training clock at an evaluation is the slowest
+rank's sum. The first step traces and compiles the step function; it is a real
+training step, but it counts as the run's median step instead of its own time.
+
+All methods run for the whole budget (simpler than stopping early, and it
+gives every method's final accuracy); the time to target is then read from the
+logged curve: the training clock at the first evaluation whose accuracy
+reaches the target, so it is exact to --eval_every steps. The target is, per
+rate and N, the final test accuracy of --reference (Horovod's fp16, run first
+in every network whether --methods lists it or not) minus --margin. Per rate,
+the table shows for every N and method: the seconds to target, how many times
+faster than Horovod fp16 and than fp32 in the same run (their seconds / this
+one's; "never" where the method did not reach the target), the steps to
+target, final accuracy and steps, the median step, and the bytes one worker
+sends per step by the exchange's own accounting (as wire.py counts them).
+Writes every run, curves included, to --out and the curves (test accuracy
+against training seconds, one subplot per rate and N, the target as a dashed
+line) to --plot.
+"""
+import json
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf_keras: the baselines are Horovod's Keras wrappers
+
+from absl import app, flags  # noqa: E402
+
+import launch  # noqa: E402
+import netns  # noqa: E402
+import results  # noqa: E402
+import wire  # noqa: E402  (defines the flags shared with it)
+
+flags.FLAGS.set_default("rates", ["1gbit", "10gbit"])
+flags.FLAGS.set_default("methods", ["fp32", "fp16", "hc_fp16", "onebit", "topk", "powersgd"])
+flags.FLAGS.set_default("timeout", 1800)
+flags.FLAGS.set_default("out", "results/time_to_accuracy.json")
+flags.DEFINE_list("layers", ["64", "4096", "4096", "1024", "10"], "The MLP's widths, the 64 pixels first, "
+                  "the 10 classes last.")
+flags.DEFINE_float("lr", 0.02, "SGD's learning rate (momentum 0.9, nesterov), the same for every method.")
+flags.DEFINE_integer("epochs", 12, "Epochs of every run (each rank sees its shard once an epoch).")
+flags.DEFINE_float("max_seconds", 600, "Training-clock budget of a run, checked at evaluations.")
+flags.DEFINE_integer("eval_every", 5, "Steps between two test evaluations.")
+flags.DEFINE_integer("seed", 0, "Seed of the weights, the split and the data order.")
+flags.DEFINE_string("reference", "fp16", "The method whose final accuracy, less --margin, is the target; it "
+                    "runs first, whether --methods lists it or not.")
+flags.DEFINE_float("margin", 0.01, "Target = the reference's final test accuracy - margin.")
+flags.DEFINE_string("plot", "results/time_to_accuracy.png", "launcher: the figure.")
+FLAGS = flags.FLAGS
+
+
+def worker():
+    socket.sethostname(os.environ["HOROVOD_HOSTNAME"])  # our own UTS namespace (unshare --uts)
+    import hvd_compress as hc
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+
+    sys.path.insert(0, str(wire.REPO / "examples"))
+    import digits
+
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    tf.keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights on every rank
+    (x_train, y_train), (x_test, y_test) = digits.load(FLAGS.seed)
+    data, steps_per_epoch = digits.shard(x_train.reshape(len(x_train), -1), y_train, hvd.rank(), hvd.size(),
+                                         FLAGS.batch_size, FLAGS.seed)
+    x_test = tf.constant(x_test.reshape(len(x_test), -1))
+    model = launch.mlp(keras, [int(width) for width in FLAGS.layers])
+    opt, accounted = wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method,
+                                         keras.optimizers.SGD(FLAGS.lr, momentum=0.9, nesterov=True))
+    train = launch.training_step(keras, model, opt)
+    test_accuracy = tf.function(lambda: tf.reduce_mean(tf.cast(tf.argmax(model(x_test), -1) == y_test, tf.float32)))
+
+    def evaluate(clock):
+        """(the slowest rank's clock, rank 0's test accuracy or None); all ranks leave it together."""
+        accuracy = float(test_accuracy()) if hvd.rank() == 0 else None
+        clocks = hvd.allgather(tf.constant([clock], tf.float64), name="tta.clock").numpy()
+        return float(clocks.max()), accuracy
+
+    batches, total_steps = iter(data), FLAGS.epochs * steps_per_epoch
+    step_seconds, curve = [], [(0, 0.0, evaluate(0.0)[1])]  # (step, training clock without step 1, acc)
+    for step in range(1, total_steps + 1):
+        start = time.perf_counter()
+        train(*next(batches)).numpy()
+        step_seconds.append(time.perf_counter() - start)
+        if step % FLAGS.eval_every == 0 or step == total_steps:
+            clock, accuracy = evaluate(sum(step_seconds[1:]))
+            curve.append((step, clock, accuracy))
+            if clock >= FLAGS.max_seconds:
+                break
+    params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
+    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+        rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
+        steps_per_epoch=steps_per_epoch, steps=len(step_seconds), first_step_s=step_seconds[0],
+        median_step_s=statistics.median(step_seconds[1:] or step_seconds), accounted=accounted(params),
+        curve=curve)))
+
+
+# -- launcher -------------------------------------------------------------------------------------
+def run(net, method):
+    """One method's training on net's ranks: its curve, as rank 0 measured it, and its figures."""
+    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--method={method}",
+            f"--layers={','.join(FLAGS.layers)}", f"--lr={FLAGS.lr}", f"--epochs={FLAGS.epochs}",
+            f"--max_seconds={FLAGS.max_seconds}", f"--eval_every={FLAGS.eval_every}", f"--seed={FLAGS.seed}",
+            f"--batch_size={FLAGS.batch_size}"]
+    ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.num_ranks} ranks at {net.rate}")
+    # The first step is counted as the median step of the slowest rank, not as its tracing time.
+    first_step = max(r["median_step_s"] for r in ranks)
+    curve = [dict(step=step, seconds=clock + (first_step if step else 0.0), accuracy=accuracy)
+             for step, clock, accuracy in ranks[0]["curve"]]
+    return dict(rate=net.rate, ranks=net.num_ranks, method=method, params=ranks[0]["params"], curve=curve,
+                final_accuracy=curve[-1]["accuracy"], steps=ranks[0]["steps"], seconds=curve[-1]["seconds"],
+                median_step_s=first_step, accounted=statistics.fmean(r["accounted"] for r in ranks),
+                steps_per_epoch=ranks[0]["steps_per_epoch"], first_step_s=[r["first_step_s"] for r in ranks],
+                hostnames=[r["hostname"] for r in ranks])
+
+
+def add_time_to_target(runs):
+    """Adds target, seconds_to_target and steps_to_target (None where it was never reached) to every
+    run, and vs_<reference> and vs_fp32: their seconds to target / this one's, measured in the same
+    network (None where either never reached it or did not run)."""
+    network = lambda r: (r["rate"], r["ranks"])  # noqa: E731
+    for r in runs:
+        same = {x["method"]: x for x in runs if network(x) == network(r)}
+        r["target"] = same[FLAGS.reference]["final_accuracy"] - FLAGS.margin
+        reached = next((point for point in r["curve"] if point["accuracy"] >= r["target"]), None)
+        r["seconds_to_target"] = reached["seconds"] if reached else None
+        r["steps_to_target"] = reached["step"] if reached else None
+    for r in runs:
+        same = {x["method"]: x for x in runs if network(x) == network(r)}
+        for baseline in (FLAGS.reference, "fp32"):
+            theirs = same.get(baseline, {}).get("seconds_to_target")
+            ours = r["seconds_to_target"]  # 0 where the untrained model already reaches the target
+            r[f"vs_{baseline}"] = theirs / ours if theirs is not None and ours else None
+
+
+def print_table(rate, runs):
+    print(f"\n### {rate}\n")
+    for n in sorted({r["ranks"] for r in runs}):
+        target = next(r["target"] for r in runs if r["ranks"] == n)
+        print(f"- {n} ranks: target {target:.4f} = {FLAGS.reference}'s final test accuracy - {FLAGS.margin}")
+    print(f"\n| n | method | seconds to target | vs {FLAGS.reference} | vs fp32 | steps to target | final accuracy "
+          "| steps | median step ms | accounted bytes/step |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    for r in runs:
+        reached = r["seconds_to_target"] is not None
+        seconds, steps = (f"{r['seconds_to_target']:.1f}", r["steps_to_target"]) if reached else ("never", "-")
+        print(f"| {r['ranks']} | {r['method']} | {seconds} | {ratio(r[f'vs_{FLAGS.reference}'])} "
+              f"| {ratio(r['vs_fp32'])} | {steps} | {r['final_accuracy']:.4f} | {r['steps']} "
+              f"| {1000 * r['median_step_s']:.0f} | {r['accounted']:,.0f} |")
+
+
+def plot(runs, path):
+    groups = sorted({(r["rate"], r["ranks"]) for r in runs}, key=lambda g: (netns.rate_bits(g[0]), g[1]))
+    fig, axes = results.figure(len(groups))
+    for ax, (rate, n) in zip(getattr(axes, "flat", [axes]), groups):
+        group = [r for r in runs if (r["rate"], r["ranks"]) == (rate, n)]
+        for r in group:
+            ax.plot([p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], marker=".",
+                    markersize=3, label=r["method"])
+        target = group[0]["target"]
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+        ax.set(xlabel="training seconds (evaluation not counted)", ylabel="test accuracy",
+               ylim=(min(0.8, target - 0.05), 1.0), title=f"{rate}, {n} ranks")
+        ax.legend(fontsize=8)
+    results.save_figure(fig, path)
+
+
+def main(_):
+    if FLAGS.role == "worker":
+        return worker()
+    methods = [FLAGS.reference] + [m for m in FLAGS.methods if m != FLAGS.reference]  # the target first
+    if set(methods) - set(wire.METHODS):
+        sys.exit(f"time_to_accuracy.py: unknown methods {sorted(set(methods) - set(wire.METHODS))}; "
+                 f"known: {wire.METHODS}")
+    if len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10":
+        sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
+                 f"got {FLAGS.layers}.")
+    launch.prepare_network_run("time_to_accuracy.py", FLAGS.rates)
+    runs = []
+    for rate in FLAGS.rates:
+        for n in map(int, FLAGS.ranks):
+            with netns.Network(n, rate, FLAGS.slow_start_after_idle) as net:
+                for method in methods:
+                    runs.append(run(net, method))
+                    r = runs[-1]
+                    print(f"{rate} n={n} {method}: test accuracy {r['final_accuracy']:.4f} after {r['steps']} steps, "
+                          f"{r['seconds']:.1f} s of training (median step {1000 * r['median_step_s']:.0f} ms, "
+                          f"accounted {r['accounted']:,.0f} B/step)", flush=True)
+    add_time_to_target(runs)
+    for rate in FLAGS.rates:
+        print_table(rate, [r for r in runs if r["rate"] == rate])
+    print(f"\n{runs[0]['params']:,} parameters ({'-'.join(FLAGS.layers)} MLP), batch {FLAGS.batch_size} per rank, "
+          f"SGD lr {FLAGS.lr} (momentum 0.9, nesterov), at most {FLAGS.epochs} epochs or {FLAGS.max_seconds:g} s "
+          f"of training, test accuracy every {FLAGS.eval_every} steps (not timed), seed {FLAGS.seed}, "
+          f"{os.cpu_count()} CPU cores shared by the ranks.")
+    print(f"\nReproduce with:\n    {command_line()}")
+    results.save(FLAGS.out, runs)
+    plot(runs, FLAGS.plot)
+
+
+def command_line():
+    return launch.command_line(__file__, rates=FLAGS.rates, ranks=FLAGS.ranks, methods=FLAGS.methods,
+                               layers=FLAGS.layers, lr=FLAGS.lr, epochs=FLAGS.epochs, max_seconds=FLAGS.max_seconds,
+                               eval_every=FLAGS.eval_every, batch_size=FLAGS.batch_size, seed=FLAGS.seed,
+                               reference=FLAGS.reference, margin=FLAGS.margin,
+                               slow_start_after_idle=FLAGS.slow_start_after_idle, timeout=FLAGS.timeout,
+                               out=FLAGS.out, plot=FLAGS.plot)
+
+
+if __name__ == "__main__":
+    app.run(main)
