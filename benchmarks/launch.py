@@ -184,3 +184,12 @@ def command_line(script, **flags):
     python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
     return shlex.join([python, os.path.relpath(pathlib.Path(script).resolve()),
                        *(f"--{name}={value(v)}" for name, v in flags.items())])
+
+
+def load_before():
+    """How quiet the machine was before a benchmark started its ranks, for its printout: other work
+    moves step times by 30-40% on this 2-core VM."""
+    one, five, _ = os.getloadavg()
+    return (f"load average before the run {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores; "
+            "figures are only comparable within one run on a quiet machine")
+

@@ -84,6 +84,7 @@ def measure(n):
     _, fetch_rows, fetch_cols, _ = Compression.sketch(ratio=4, mode="fetchsgd").sizes(n)
     shapes = {1: cols, fetch_rows: fetch_cols}
     sketches = {rows: ops.count_sketch(x, rows, c) for rows, c in shapes.items()}
+    half = tf.cast(x, tf.float16)
     cases = {
         "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
         "tf.identity": (tf.function(tf.identity), x),
@@ -98,6 +99,11 @@ def measure(n):
             tf.function(lambda b, s: stock_unpack_mean(b, s, n)), stacked_bits, stacked_scales),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n)": (tf.function(lambda t: ops.top_k_abs(t, k)), x),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n), stock TF": (tf.function(lambda t: stock_top_k(t, k)), x),
+        # Compression.fp16's casts into and out of its float16 buffer (F16C), and TensorFlow's tf.cast.
+        "half_pack": (tf.function(lambda t: ops.half_pack([t])), x),
+        "half_pack, stock TF": (tf.function(lambda t: tf.cast(t, tf.float16)), x),
+        "half_unpack": (tf.function(lambda h: ops.half_unpack(h, [(n,)], [tf.float32])), half),
+        "half_unpack, stock TF": (tf.function(lambda h: tf.cast(h, tf.float32)), half),
     }
     for rows, c in shapes.items():
         shape = f"{rows} x n/{round(n / c)}"

@@ -237,6 +237,7 @@ def main(_):
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
                  f"got {FLAGS.layers}.")
     launch.prepare_network_run("time_to_accuracy.py", FLAGS.rates)
+    quiet = launch.load_before()
     runs = []
     for rate in FLAGS.rates:
         for n in map(int, FLAGS.ranks):
@@ -253,7 +254,7 @@ def main(_):
     print(f"\n{runs[0]['params']:,} parameters ({'-'.join(FLAGS.layers)} MLP), batch {FLAGS.batch_size} per rank, "
           f"SGD lr {FLAGS.lr} (momentum 0.9, nesterov), at most {FLAGS.epochs} epochs or {FLAGS.max_seconds:g} s "
           f"of training, test accuracy every {FLAGS.eval_every} steps (not timed), seed {FLAGS.seed}, "
-          f"{os.cpu_count()} CPU cores shared by the ranks.")
+          f"{os.cpu_count()} CPU cores shared by the ranks; {quiet}.")
     print(f"\nReproduce with:\n    {command_line()}")
     results.save(FLAGS.out, runs)
     plot(runs, FLAGS.plot)

@@ -151,8 +151,8 @@ def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras):
 
 @pytest.mark.parametrize("world_sizes, flags", [
     # World sizes 3 and 4 in one launch (2, 3 and 4 ranks: update rules in test_optimizer.py).
-    ([3, 4], ["--variants=two_way,two_way_blocks,one_way"]),
-    ([7], ["--variants=two_way", "--sizes=1,5,9,23,1031"]),  # 7 ranks share 2 cores here
+    ([3, 4], ["--variants=two_way,two_way_blocks,one_way,fp16"]),
+    ([7], ["--variants=two_way,fp16", "--sizes=1,5,9,23,1031"]),  # 7 ranks share 2 cores here
 ])
 def test_tiny_buckets_and_empty_shards_match_the_numpy_reference(world_sizes, flags):
     ranks = max(world_sizes)
