@@ -219,8 +219,8 @@ class HalfAllreduce:
             current_bytes += 2 * n
         if current:
             self.buckets.append(current)
-        # Per bucket, per chunk t: the [begin, end) of every shard that travels in it.
-        self.pieces = []
+        # Per bucket, per piece t: the [begin, end) of every shard that travels in it.
+        self.pieces, self.bytes_sent = [], 0
         for bucket in self.buckets:
             cuts = shard_cuts(sum(sizes[i] for i in bucket), size)
             lengths = np.diff(cuts)
@@ -228,9 +228,9 @@ class HalfAllreduce:
             self.pieces.append([[(int(cuts[j] + lengths[j] * t // chunks),
                                   int(cuts[j] + lengths[j] * (t + 1) // chunks)) for j in range(size)]
                                 for t in range(chunks)])
-        self.bytes_sent = sum(2 * (int(np.diff(cuts).sum()) - int(np.diff(cuts)[rank]))
-                              + allgather_bytes(2 * int(np.diff(cuts)[rank]), size)
-                              for cuts in (shard_cuts(sum(sizes[i] for i in bucket), size) for bucket in self.buckets))
+            # Every shard but my own to its owner, then my mean shard to the n - 1 others.
+            mine = 2 * int(lengths[rank])
+            self.bytes_sent += 2 * int(lengths.sum()) - mine + allgather_bytes(mine, size)
 
     def _alltoall(self, tensor, splits, name):
         return hvd.alltoall(tensor, splits=splits, process_set=self.process_set, name=name)[0]

@@ -30,7 +30,7 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "wire.json"
     cmd = [sys.executable, str(BENCHMARKS / "wire.py"), "--rates=1gbit", "--ranks=2", "--models=mlp4m",
-           "--methods=fp32,onebit", "--steps=5", "--warmup=2", "--idle_s=1", "--timeout=200", f"--out={out}"]
+           "--methods=fp32,onebit,hc_fp16", "--steps=5", "--warmup=2", "--idle_s=1", "--timeout=200", f"--out={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), start_new_session=True)
     try:
@@ -47,7 +47,7 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     assert wire_namespaces() == []
 
     rows = {r["method"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"fp32", "onebit"}
+    assert set(rows) == {"fp32", "onebit", "hc_fp16"}
     for method, r in rows.items():
         assert r["ranks"] == 2 and [p["hostname"] for p in r["per_rank"]] == ["hc-ns0", "hc-ns1"]
         # TCP payload on the veth (headers taken off per packet) vs what the exchange says it sends, less
@@ -57,3 +57,4 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
         unexplained = r["wire_vs_accounted"] - r["control_vs_accounted_est"]
         assert abs(unexplained) < 0.05, (method, r["wire_vs_accounted"], r["control_vs_accounted_est"], output)
     assert rows["fp32"]["accounted"] >= 20 * rows["onebit"]["accounted"]
+    assert rows["hc_fp16"]["accounted"] == rows["fp32"]["accounted"] / 2  # its alltoalls move a ring's bytes
