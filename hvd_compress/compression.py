@@ -155,13 +155,21 @@ class TopKCompressor(StatefulCompressor):
         return self.k
 
     def encode(self, flat, k):
-        """flat [n] -> (values [k], int32 indices [k]) of the k largest |flat|."""
+        """flat [n], or a list of tensors read as their concatenation -> (values [k], int32 indices [k])
+        of the k largest |flat|."""
         return ops.top_k_abs(flat, k)
 
     def decode(self, payload, num_elements):
         """(values, indices), possibly stacked from several ranks -> dense sum [n]."""
         values, indices = payload
         return ops.scatter_dense(indices, values, num_elements)
+
+    @staticmethod
+    def decode_mean(payloads, shapes):
+        """Stacked (values [m, k], indices [m, k]) of m ranks -> their mean, cut into tensors of `shapes`
+        (the parts of the concatenation the indices address), with no dense tensor per rank."""
+        values, indices = payloads
+        return ops.scatter_mean(tf.reshape(indices, [-1]), tf.reshape(values, [-1]), shapes, values.shape[0])
 
     @staticmethod
     def payload_bytes(k, element_bytes=4):

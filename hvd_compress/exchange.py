@@ -65,6 +65,19 @@ def _split_sign_payloads(buffer, count, num_bytes, num_blocks):
     return rows[:, :num_bytes], scales
 
 
+def fuse_in_order(nbytes, threshold):
+    """Buckets of consecutive items: lists of their positions, each holding at most `threshold` bytes
+    (an item larger than that is a bucket of its own). nbytes: each item's bytes, in order."""
+    buckets, current, current_bytes = [], [], 0
+    for i, size in enumerate(nbytes):
+        if current and current_bytes + size > threshold:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+    return buckets + [current] if current else buckets
+
+
 def poison(x):
     """0.0 when x is all finite, else NaN: added to an update, it spreads a non-finite input."""
     return tf.reduce_sum(x * 0.0)
@@ -210,15 +223,7 @@ class HalfAllreduce:
         self.shapes, self.dtypes, self.rank, self.size, self.process_set = shapes, dtypes, rank, size, process_set
         self.scale, self.name = (size if op == hvd.Sum else 1), name
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        self.buckets, current, current_bytes = [], [], 0
-        for i, n in enumerate(sizes):
-            if current and current_bytes + 2 * n > fusion_threshold_bytes:
-                self.buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(i)
-            current_bytes += 2 * n
-        if current:
-            self.buckets.append(current)
+        self.buckets = fuse_in_order([2 * n for n in sizes], fusion_threshold_bytes)
         # Per bucket, per piece t: the [begin, end) of every shard that travels in it.
         self.pieces, self.bytes_sent = [], 0
         for bucket in self.buckets:
@@ -416,13 +421,13 @@ class SparseAllgather(Exchange):
         self.bytes_sent = allgather_bytes(compressor.payload_bytes(self.k), bucket.size)
 
     def __call__(self, parts, state, step):
-        values, indices = ops.top_k_abs(parts, self.k)
+        values, indices = self.compressor.encode(parts, self.k)
         residual = ops.zero_at(parts, indices)
         gathered = hvd.allgather(tf.concat([values, tf.bitcast(indices, tf.float32)], 0),
                                  process_set=self.bucket.process_set, name=self.bucket.name)
         gathered = tf.reshape(gathered, [self.bucket.size, 2, self.k])
-        update = ops.scatter_mean(tf.reshape(tf.bitcast(gathered[:, 1], tf.int32), [-1]),
-                                  tf.reshape(gathered[:, 0], [-1]), [p.shape for p in parts], self.bucket.size)
+        update = self.compressor.decode_mean((gathered[:, 0], tf.bitcast(gathered[:, 1], tf.int32)),
+                                             [p.shape for p in parts])
         return Exchanged(residual, update)
 
 

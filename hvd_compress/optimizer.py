@@ -87,16 +87,8 @@ class Layout:
                 self.compressed.append(i)
             else:
                 self.dense.append(i)
-        self.buckets, current, current_bytes = [], [], 0
-        for i in self.compressed:
-            nbytes = self.sizes[i] * 4
-            if current and current_bytes + nbytes > fusion_threshold_bytes:
-                self.buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(i)
-            current_bytes += nbytes
-        if current:
-            self.buckets.append(current)
+        self.buckets = [[self.compressed[j] for j in bucket] for bucket in
+                        exchange.fuse_in_order([4 * self.sizes[i] for i in self.compressed], fusion_threshold_bytes)]
         #: position of a compressed variable among the per-variable slots
         self.slot = {i: position for position, i in enumerate(self.compressed)}
 

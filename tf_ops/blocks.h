@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -77,6 +78,44 @@ inline void ForEachPieceInChunk(const int64_t* bounds, int64_t num_blocks,
     piece(block, std::max(chunk_begin, bounds[block]),
           std::min(chunk_end, bounds[block + 1]));
   }
+}
+
+// A concatenation of parts of given sizes (the tensors of one bucket, read
+// where they lie): where a global index falls, and which parts a range meets.
+class PartIndex {
+ public:
+  explicit PartIndex(const std::vector<int64_t>& sizes) : starts_(1, 0) {
+    for (int64_t s : sizes) starts_.push_back(starts_.back() + s);
+  }
+  int64_t total() const { return starts_.back(); }
+  int64_t start(int64_t part) const { return starts_[part]; }
+  int64_t PartOf(int64_t index) const {
+    return std::upper_bound(starts_.begin(), starts_.end(), index) - starts_.begin() - 1;
+  }
+  // Calls piece(part, offset_in_part, global_begin, length) for every part that
+  // meets the global range [begin, end), in order.
+  template <typename Fn>
+  void ForEachPartIn(int64_t begin, int64_t end, Fn&& piece) const {
+    for (int64_t part = PartOf(begin); part + 1 < static_cast<int64_t>(starts_.size()) && starts_[part] < end;
+         ++part) {
+      const int64_t lo = std::max(begin, starts_[part]), hi = std::min(end, starts_[part + 1]);
+      if (hi > lo) piece(part, lo - starts_[part], lo, hi - lo);
+    }
+  }
+
+ private:
+  std::vector<int64_t> starts_;
+};
+
+// OK unless some index is outside [0, n).
+template <typename Index>
+inline absl::Status CheckIndices(const Index* idx, int64_t k, int64_t n) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (idx[i] < 0 || idx[i] >= n) {
+      return tensorflow::errors::InvalidArgument("indices[", i, "] = ", idx[i], " is out of range [0, n=", n, ")");
+    }
+  }
+  return absl::OkStatus();
 }
 
 // |v| as an order-preserving unsigned key: larger |v| gives a larger key and

@@ -3,6 +3,7 @@
 // targets it, Eigen's scalar conversion (the same rounding) elsewhere. Work is
 // cut into fixed chunks (blocks.h), so the bits never depend on the threads.
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__F16C__)
@@ -62,27 +63,15 @@ void Convert(const From* x, To* y, int64_t n) {
   }
 }
 
-// Calls piece(part, part_offset, flat_begin, length) for every part of a
-// concatenation (parts of `sizes`, starting at `starts`) that meets the flat
-// range [begin, end).
-template <typename Fn>
-void ForEachPart(const std::vector<int64_t>& starts, int64_t begin, int64_t end, Fn&& piece) {
-  int64_t part = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-  for (; part + 1 < static_cast<int64_t>(starts.size()) && starts[part] < end; ++part) {
-    const int64_t lo = std::max(begin, starts[part]), hi = std::min(end, starts[part + 1]);
-    if (hi > lo) piece(part, lo - starts[part], lo, hi - lo);
-  }
-}
-
 // Converts between the parts (each of dtype dtypes[i]) and the flat float16
 // buffer, chunk by chunk on TF's thread pool. to_half: parts -> flat.
-void ConvertParts(OpKernelContext* ctx, const std::vector<int64_t>& starts,
+void ConvertParts(OpKernelContext* ctx, const PartIndex& where,
                   const std::vector<tensorflow::DataType>& dtypes, const std::vector<void*>& parts,
                   Half* flat, bool to_half) {
-  const int64_t total = starts.back();
+  const int64_t total = where.total();
   ParallelFor(ctx, NumChunks(total), kChunk * 2, [&](int64_t first, int64_t last) {
-    ForEachPart(starts, first * kChunk, std::min(total, last * kChunk),
-                [&](int64_t part, int64_t offset, int64_t at, int64_t length) {
+    where.ForEachPartIn(first * kChunk, std::min(total, last * kChunk),
+                        [&](int64_t part, int64_t offset, int64_t at, int64_t length) {
       Half* h = flat + at;
       switch (dtypes[part]) {
         case tensorflow::DT_FLOAT: {
@@ -104,12 +93,6 @@ void ConvertParts(OpKernelContext* ctx, const std::vector<int64_t>& starts,
   });
 }
 
-std::vector<int64_t> Starts(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> starts(1, 0);
-  for (int64_t s : sizes) starts.push_back(starts.back() + s);
-  return starts;
-}
-
 }  // namespace
 
 class HalfPackOp : public OpKernel {
@@ -127,10 +110,10 @@ class HalfPackOp : public OpKernel {
       dtypes.push_back(xs[i].dtype());
       parts.push_back(const_cast<char*>(xs[i].tensor_data().data()));
     }
-    const std::vector<int64_t> starts = Starts(sizes);
+    const PartIndex where(sizes);
     Tensor* packed = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({starts.back()}), &packed));
-    ConvertParts(ctx, starts, dtypes, parts, packed->flat<Half>().data(), /*to_half=*/true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({where.total()}), &packed));
+    ConvertParts(ctx, where, dtypes, parts, packed->flat<Half>().data(), /*to_half=*/true);
   }
 };
 
@@ -143,13 +126,13 @@ class HalfUnpackOp : public OpKernel {
                 InvalidArgument("HalfUnpack needs one dtype per size: got ", sizes_.size(), " sizes and ",
                                 dtypes_.size(), " dtypes"));
     for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
-    starts_ = Starts(sizes_);
+    where_ = std::make_unique<PartIndex>(sizes_);
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& packed = ctx->input(0);
-    OP_REQUIRES(ctx, packed.dims() == 1 && packed.NumElements() == starts_.back(),
-                InvalidArgument("packed must be a vector of sum(sizes) = ", starts_.back(),
+    OP_REQUIRES(ctx, packed.dims() == 1 && packed.NumElements() == where_->total(),
+                InvalidArgument("packed must be a vector of sum(sizes) = ", where_->total(),
                                 " float16 values, got shape ", packed.shape().DebugString()));
     OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
@@ -159,12 +142,13 @@ class HalfUnpackOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ys.allocate(i, TensorShape({sizes_[i]}), &y));
       parts.push_back(const_cast<char*>(y->tensor_data().data()));
     }
-    ConvertParts(ctx, starts_, dtypes_, parts, const_cast<Half*>(packed.flat<Half>().data()),
+    ConvertParts(ctx, *where_, dtypes_, parts, const_cast<Half*>(packed.flat<Half>().data()),
                  /*to_half=*/false);
   }
 
  private:
-  std::vector<int64_t> sizes_, starts_;
+  std::vector<int64_t> sizes_;
+  std::unique_ptr<PartIndex> where_;
   std::vector<tensorflow::DataType> dtypes_;
 };
 

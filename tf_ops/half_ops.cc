@@ -3,6 +3,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "shape_fns.h"
 
 namespace hvd_compress {
 
@@ -52,12 +53,7 @@ REGISTER_OP("HalfUnpack")
     .Output("ys: T")
     .Attr("sizes: list(int) >= 1")
     .Attr("T: list({float, half, bfloat16}) >= 1")
-    .SetShapeFn([](InferenceContext* c) {
-      std::vector<int64_t> sizes;
-      TF_RETURN_IF_ERROR(c->GetAttr("sizes", &sizes));
-      for (size_t i = 0; i < sizes.size(); ++i) c->set_output(i, c->Vector(sizes[i]));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(VectorsOfSizes)
     .Doc(R"doc(
 Inverse of HalfPack: packed [sum(sizes)] float16 cut into vectors of `sizes`
 elements, each converted to its dtype in T (float16 to float32 is exact;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -196,11 +197,7 @@ class ScatterDenseOp : public OpKernel {
                                 "of elements, got ", k, " and ",
                                 values_tensor.NumElements()));
     const Index* idx = indices_tensor.flat<Index>().data();
-    for (int64_t i = 0; i < k; ++i) {
-      OP_REQUIRES(ctx, idx[i] >= 0 && idx[i] < n,
-                  InvalidArgument("indices[", i, "] = ", idx[i],
-                                  " is out of range [0, n=", n, ")"));
-    }
+    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, n));
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y_tensor));
     if (n == 0) return;
@@ -233,31 +230,6 @@ class ScatterDenseOp : public OpKernel {
     });
   }
 };
-
-// Where each global index of a concatenation of parts falls: (part, offset).
-class PartIndex {
- public:
-  explicit PartIndex(const std::vector<int64_t>& sizes) : starts_(1, 0) {
-    for (int64_t s : sizes) starts_.push_back(starts_.back() + s);
-  }
-  int64_t total() const { return starts_.back(); }
-  int64_t start(int64_t part) const { return starts_[part]; }
-  int64_t PartOf(int64_t index) const {
-    return std::upper_bound(starts_.begin(), starts_.end(), index) - starts_.begin() - 1;
-  }
-
- private:
-  std::vector<int64_t> starts_;
-};
-
-absl::Status CheckIndices(const int32_t* idx, int64_t k, int64_t n) {
-  for (int64_t i = 0; i < k; ++i) {
-    if (idx[i] < 0 || idx[i] >= n) {
-      return InvalidArgument("indices[", i, "] = ", idx[i], " is out of range [0, n=", n, ")");
-    }
-  }
-  return absl::OkStatus();
-}
 
 // ZeroAt: the parts with the elements at `indices` (of their concatenation)
 // set to zero; each part's buffer is reused when nothing else holds it.
@@ -307,6 +279,7 @@ class ScatterMeanOp : public OpKernel {
                 InvalidArgument("ScatterMean needs one size per output: N=", n_outputs, ", ",
                                 sizes_.size(), " sizes"));
     for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+    where_ = std::make_unique<PartIndex>(sizes_);
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -316,7 +289,7 @@ class ScatterMeanOp : public OpKernel {
     OP_REQUIRES(ctx, values.NumElements() == k,
                 InvalidArgument("indices and values must have the same number of elements, got ", k,
                                 " and ", values.NumElements()));
-    const PartIndex where(sizes_);
+    const PartIndex& where = *where_;
     const int32_t* idx = indices.flat<int32_t>().data();
     const float* v = values.flat<float>().data();
     OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
@@ -348,6 +321,7 @@ class ScatterMeanOp : public OpKernel {
 
  private:
   std::vector<int64_t> sizes_;
+  std::unique_ptr<PartIndex> where_;
   int64_t count_;
 };
 

@@ -3,6 +3,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "shape_fns.h"
 
 namespace hvd_compress {
 
@@ -75,12 +76,7 @@ REGISTER_OP("ScatterMean")
     .Attr("N: int >= 1")
     .Attr("sizes: list(int)")
     .Attr("count: int")
-    .SetShapeFn([](InferenceContext* c) {
-      std::vector<int64_t> sizes;
-      TF_RETURN_IF_ERROR(c->GetAttr("sizes", &sizes));
-      for (size_t i = 0; i < sizes.size(); ++i) c->set_output(i, c->Vector(sizes[i]));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(VectorsOfSizes)
     .Doc(R"doc(
 Vectors of `sizes` (parts of one concatenation), zero except at `indices`:
 there the values given for the index summed in input order, then divided by
