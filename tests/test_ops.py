@@ -355,3 +355,40 @@ def test_more_than_2_pow_31_elements():
     assert decoded.shape == [n]
     tail = decoded[2**31 - 2:].numpy().astype(np.float32)
     np.testing.assert_array_equal(tail < 0, np.isin(np.arange(2**31 - 2, n), negative))
+
+
+def large_input(case, n):
+    """Inputs past the size where top_k_abs selects from a sample, built to take each of its paths;
+    its sample is the first 16 of every 4096 elements of the concatenation."""
+    rng = np.random.default_rng(7)
+    noise = rng.standard_normal(n).astype(np.float32)
+    sampled = np.arange(n) % 4096 < 16
+    if case == "gaussian":  # more than k above the sample's key: the exact select on those alone
+        return noise
+    if case == "ties":  # the sample's key is the k-th largest key: one pass with ties to the lower index
+        return sample(n, 1, ties=True).numpy()
+    if case == "sample_too_high":  # the sample holds only large values: too few reach its key
+        return np.where(sampled, 10 + noise, 1e-3 * noise)
+    if case == "sample_too_low":  # the sample holds only small values: far more than 2k reach its key
+        return np.where(sampled, 1e-3 * noise, noise)
+    if case == "non_finite":
+        x = noise.copy()
+        x[[3, 16, 4096 * 7 + 1, n - 1]] = [np.nan, np.inf, -np.inf, np.nan]
+        return x
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["gaussian", "ties", "sample_too_high", "sample_too_low", "non_finite"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_top_k_abs_of_large_inputs_matches_numpy(case, dtype):
+    """Every way top_k_abs may select on inputs over 2^20 elements (two parts, so its pieces start
+    anywhere), for k = 1% (the sampled select) and k = 20% (the radix select alone)."""
+    n = (1 << 21) + 4096 * 3 + 7
+    x = tf.cast(large_input(case, n), DTYPES[dtype])
+    parts = [x[:(1 << 20) + 5], x[(1 << 20) + 5:]]
+    for k in (n // 100, n // 5):
+        values, indices = ops.top_k_abs(parts, k)
+        want_values, want_indices = ref.top_k_abs(x.numpy(), k)
+        np.testing.assert_array_equal(indices.numpy(), want_indices)
+        # as float32: NumPy finds bfloat16's NaNs unequal
+        np.testing.assert_array_equal(values.numpy().astype(np.float32), want_values.astype(np.float32))

@@ -1,13 +1,25 @@
-// CPU kernels for TopKAbs and ScatterDense.
+// CPU kernels for TopKAbs, ScatterDense, ZeroAt and ScatterMean.
 //
-// TopKAbs is a two-level radix select on the 31-bit key of |x| (AbsKey in
-// blocks.h): a histogram of the high 16 bits finds the bin that holds the k-th
-// largest key, a histogram of the low 16 bits inside that bin gives the exact
-// threshold, and a last pass writes every key above it plus the first ties in
-// index order. Three reads of x, O(n) work, multi-threaded over fixed
-// segments so the result never depends on the thread count.
+// TopKAbs selects on the 31-bit key of |x| (AbsKey in blocks.h). Its result is
+// defined exactly (the k largest keys, ties to the lower index, in index
+// order), so the way it is found never changes it:
+//  - Usually from a sample. A fixed sample of 1/256 of the elements (the
+//    first 16 of every 4096 of the concatenation) gives a key t that slightly
+//    more than k keys should reach. One pass counts, per piece, the keys above
+//    t and equal to it. If t is itself the k-th largest key, one more pass
+//    writes the selection. If more than k (but at most 2k) keys lie above t,
+//    one pass copies those out and the exact select below runs on them alone.
+//    Two reads of x.
+//  - Otherwise (small inputs, large k, a sample that missed, many ties): an
+//    exact two-level radix select. A histogram of the high 16 bits finds the
+//    bin that holds the k-th largest key, a histogram of the low 16 bits
+//    inside that bin gives the exact threshold, and a last pass writes every
+//    key above it plus the first ties in index order. Three reads of x.
+// Both are multi-threaded over pieces whose bounds depend on the sizes alone.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -30,6 +42,11 @@ constexpr int kHighBins = 1 << 15;  // key >> 16 (the key's top bit is clear)
 constexpr int kLowBins = 1 << 16;   // key & 0xffff
 constexpr int64_t kMaxSegments = 64;
 constexpr int64_t kMinSegment = 1 << 16;
+// The sample: the elements whose index in the concatenation is below
+// kSampleRun modulo kSampleStride.
+constexpr int64_t kSampleRun = 16;
+constexpr int64_t kSampleStride = 4096;
+constexpr int64_t kMinSampled = 1 << 20;  // below this, the radix select alone
 
 // Finds the bin holding the `rank`-th largest element (1-based) given merged
 // counts; returns the bin and sets *above to the count in higher bins.
@@ -43,19 +60,30 @@ int64_t BinOfRank(const std::vector<int64_t>& counts, int64_t rank,
   return 0;  // unreachable when rank <= total count
 }
 
+// Elements per piece for n elements: at most kMaxSegments pieces of at least
+// kMinSegment (one piece when n is smaller).
+int64_t SegmentFor(int64_t n) {
+  const int64_t segments = std::min(kMaxSegments, std::max<int64_t>(1, n / kMinSegment));
+  return std::max<int64_t>(1, (n + segments - 1) / segments);
+}
+
 }  // namespace
 
-// A run of consecutive elements of one input: the work unit of TopKAbs.
+// A run of elements of one input (or of a copy): the work unit of TopKAbs.
 template <typename T>
 struct Piece {
   const T* data;
-  int64_t begin;  // index of data[0] in the concatenation of the inputs
+  const int32_t* indices;  // each element's index, or null: begin + i
+  int64_t begin;
   int64_t length;
+
+  int32_t IndexOf(int64_t i) const {
+    return indices != nullptr ? indices[i] : static_cast<int32_t>(begin + i);
+  }
 };
 
 // Cuts the inputs (concatenated in order) into pieces of at most `segment`
-// elements that never cross an input's end: fixed by the sizes alone, so the
-// selection never depends on the thread count.
+// elements that never cross an input's end.
 template <typename T>
 std::vector<Piece<T>> CutPieces(const tensorflow::OpInputList& xs, int64_t segment) {
   std::vector<Piece<T>> pieces;
@@ -64,11 +92,168 @@ std::vector<Piece<T>> CutPieces(const tensorflow::OpInputList& xs, int64_t segme
     const T* data = xs[i].flat<T>().data();
     const int64_t n = xs[i].NumElements();
     for (int64_t at = 0; at < n; at += segment) {
-      pieces.push_back({data + at, begin + at, std::min(segment, n - at)});
+      pieces.push_back({data + at, nullptr, begin + at, std::min(segment, n - at)});
     }
     begin += n;
   }
   return pieces;
+}
+
+// Writes, in index order, every element of `pieces` with a key above
+// `threshold` and the first `ties_to_take` with a key equal to it; piece s
+// holds greater[s] of the first kind and ties[s] of the second.
+template <typename T>
+void WriteSelection(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, uint32_t threshold,
+                    const std::vector<int64_t>& greater, const std::vector<int64_t>& ties,
+                    int64_t ties_to_take, T* values, int32_t* indices) {
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  std::vector<int64_t> offset(num_pieces + 1, 0), ties_taken(num_pieces);
+  int64_t ties_before = 0;
+  for (int64_t s = 0; s < num_pieces; ++s) {
+    ties_taken[s] = std::clamp<int64_t>(ties_to_take - ties_before, 0, ties[s]);
+    ties_before += ties[s];
+    offset[s + 1] = offset[s] + greater[s] + ties_taken[s];
+  }
+  ParallelFor(ctx, num_pieces, pieces[0].length * 2, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      const Piece<T>& piece = pieces[s];
+      int64_t out = offset[s], ties_left = ties_taken[s];
+      for (int64_t i = 0; i < piece.length && out < offset[s + 1]; ++i) {
+        const uint32_t key = AbsKey(piece.data[i]);
+        if (key > threshold || (key == threshold && ties_left-- > 0)) {
+          values[out] = piece.data[i];
+          indices[out] = piece.IndexOf(i);
+          ++out;
+        }
+      }
+    }
+  });
+}
+
+// The exact radix select of the k largest keys of `pieces` (k >= 1).
+template <typename T>
+void RadixSelect(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, int64_t k,
+                 T* values, int32_t* indices) {
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  const int64_t cost = pieces[0].length * 3;
+
+  // Pass 1: histogram of the high 16 bits, one histogram per piece.
+  std::vector<std::vector<uint32_t>> high(num_pieces);
+  ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      high[s].assign(kHighBins, 0);
+      for (int64_t i = 0; i < pieces[s].length; ++i) {
+        ++high[s][AbsKey(pieces[s].data[i]) >> 16];
+      }
+    }
+  });
+  std::vector<int64_t> total(kHighBins, 0);
+  for (const auto& h : high) {
+    for (int b = 0; b < kHighBins; ++b) total[b] += h[b];
+  }
+  int64_t above_high = 0;
+  const uint32_t high_bin = BinOfRank(total, k, &above_high);
+
+  // Pass 2: histogram of the low 16 bits inside that high bin.
+  std::vector<std::vector<uint32_t>> low(num_pieces);
+  ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      low[s].assign(kLowBins, 0);
+      for (int64_t i = 0; i < pieces[s].length; ++i) {
+        const uint32_t key = AbsKey(pieces[s].data[i]);
+        if ((key >> 16) == high_bin) ++low[s][key & 0xffff];
+      }
+    }
+  });
+  std::vector<int64_t> total_low(kLowBins, 0);
+  for (const auto& h : low) {
+    for (int b = 0; b < kLowBins; ++b) total_low[b] += h[b];
+  }
+  int64_t above_low = 0;
+  const uint32_t low_bin = BinOfRank(total_low, k - above_high, &above_low);
+
+  // Pass 3: the keys above the threshold and the first ties.
+  std::vector<int64_t> greater(num_pieces), ties(num_pieces);
+  for (int64_t s = 0; s < num_pieces; ++s) {
+    greater[s] = 0;
+    for (int b = high_bin + 1; b < kHighBins; ++b) greater[s] += high[s][b];
+    for (int b = low_bin + 1; b < kLowBins; ++b) greater[s] += low[s][b];
+    ties[s] = low[s][low_bin];
+  }
+  WriteSelection(ctx, pieces, (high_bin << 16) | low_bin, greater, ties,
+                 k - above_high - above_low, values, indices);
+}
+
+// A key that, judging by a fixed sample of the pieces, a few more than k of
+// the n keys reach: the sample's expected count above the k-th largest key
+// plus four standard deviations.
+template <typename T>
+uint32_t SampleThreshold(const std::vector<Piece<T>>& pieces, int64_t n, int64_t k) {
+  std::vector<uint32_t> sample;
+  for (const Piece<T>& piece : pieces) {
+    const int64_t end = piece.begin + piece.length;
+    for (int64_t run = piece.begin / kSampleStride * kSampleStride; run < end; run += kSampleStride) {
+      for (int64_t i = std::max(run, piece.begin); i < std::min(run + kSampleRun, end); ++i) {
+        sample.push_back(AbsKey(piece.data[i - piece.begin]));
+      }
+    }
+  }
+  const double expected = static_cast<double>(k) * sample.size() / n;
+  const int64_t rank = std::clamp<int64_t>(
+      static_cast<int64_t>(expected + 4 * std::sqrt(expected) + 4), 1, sample.size());
+  std::nth_element(sample.begin(), sample.begin() + rank - 1, sample.end(), std::greater<uint32_t>());
+  return sample[rank - 1];
+}
+
+// The sampled select (see the top of the file); false, having written
+// nothing, when it does not apply.
+template <typename T>
+bool SampledSelect(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, int64_t n, int64_t k,
+                   T* values, int32_t* indices) {
+  if (n < kMinSampled || k > n / 8) return false;
+  const uint32_t threshold = SampleThreshold(pieces, n, k);
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  std::vector<int64_t> greater(num_pieces), equal(num_pieces);
+  ParallelFor(ctx, num_pieces, pieces[0].length, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      // Keys are below 2^31, so signed compares and int32 counts per block vectorize.
+      const int32_t t = static_cast<int32_t>(threshold);
+      greater[s] = equal[s] = 0;
+      for (int64_t block = 0; block < pieces[s].length; block += kChunk) {
+        const int64_t end = std::min(pieces[s].length, block + kChunk);
+        int32_t above = 0, at = 0;
+        for (int64_t i = block; i < end; ++i) {
+          const int32_t key = static_cast<int32_t>(AbsKey(pieces[s].data[i]));
+          above += key > t;
+          at += key == t;
+        }
+        greater[s] += above;
+        equal[s] += at;
+      }
+    }
+  });
+  int64_t total_greater = 0, total_equal = 0;
+  for (int64_t s = 0; s < num_pieces; ++s) {
+    total_greater += greater[s];
+    total_equal += equal[s];
+  }
+  if (total_greater < k && total_greater + total_equal >= k) {  // the threshold is the k-th key
+    WriteSelection(ctx, pieces, threshold, greater, equal, k - total_greater, values, indices);
+    return true;
+  }
+  if (total_greater < k || total_greater > 2 * k) return false;
+  std::vector<T> kept_values(total_greater);
+  std::vector<int32_t> kept_indices(total_greater);
+  WriteSelection(ctx, pieces, threshold, greater, std::vector<int64_t>(num_pieces, 0), 0,
+                 kept_values.data(), kept_indices.data());
+  std::vector<Piece<T>> kept;
+  const int64_t segment = SegmentFor(total_greater);
+  for (int64_t at = 0; at < total_greater; at += segment) {
+    kept.push_back({kept_values.data() + at, kept_indices.data() + at, 0,
+                    std::min(segment, total_greater - at)});
+  }
+  RadixSelect(ctx, kept, k, values, indices);
+  return true;
 }
 
 template <typename T>
@@ -101,79 +286,10 @@ class TopKAbsOp : public OpKernel {
     if (k == 0) return;
     T* values = values_tensor->flat<T>().data();
     int32_t* indices = indices_tensor->flat<int32_t>().data();
-
-    const int64_t num_segments =
-        std::min(kMaxSegments, std::max<int64_t>(1, n / kMinSegment));
-    const std::vector<Piece<T>> pieces = CutPieces<T>(xs, (n + num_segments - 1) / num_segments);
-    const int64_t num_pieces = static_cast<int64_t>(pieces.size());
-    const int64_t cost = (n / num_pieces + 1) * 3;
-
-    // Pass 1: histogram of the high 16 bits, one histogram per piece.
-    std::vector<std::vector<uint32_t>> high(num_pieces);
-    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
-      for (int64_t s = first; s < last; ++s) {
-        high[s].assign(kHighBins, 0);
-        for (int64_t i = 0; i < pieces[s].length; ++i) {
-          ++high[s][AbsKey(pieces[s].data[i]) >> 16];
-        }
-      }
-    });
-    std::vector<int64_t> total(kHighBins, 0);
-    for (const auto& h : high) {
-      for (int b = 0; b < kHighBins; ++b) total[b] += h[b];
+    const std::vector<Piece<T>> pieces = CutPieces<T>(xs, SegmentFor(n));
+    if (!SampledSelect(ctx, pieces, n, k, values, indices)) {
+      RadixSelect(ctx, pieces, k, values, indices);
     }
-    int64_t above_high = 0;
-    const uint32_t high_bin = BinOfRank(total, k, &above_high);
-
-    // Pass 2: histogram of the low 16 bits inside that high bin.
-    std::vector<std::vector<uint32_t>> low(num_pieces);
-    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
-      for (int64_t s = first; s < last; ++s) {
-        low[s].assign(kLowBins, 0);
-        for (int64_t i = 0; i < pieces[s].length; ++i) {
-          const uint32_t key = AbsKey(pieces[s].data[i]);
-          if ((key >> 16) == high_bin) ++low[s][key & 0xffff];
-        }
-      }
-    });
-    std::vector<int64_t> total_low(kLowBins, 0);
-    for (const auto& h : low) {
-      for (int b = 0; b < kLowBins; ++b) total_low[b] += h[b];
-    }
-    int64_t above_low = 0;
-    const uint32_t low_bin = BinOfRank(total_low, k - above_high, &above_low);
-    const uint32_t threshold = (high_bin << 16) | low_bin;
-    const int64_t ties_to_take = k - above_high - above_low;
-
-    // Output offsets: each piece writes its keys > threshold and the ties
-    // that fall to it (the first ties_to_take ties in index order).
-    std::vector<int64_t> offset(num_pieces + 1, 0), ties_taken(num_pieces);
-    int64_t ties_before = 0;
-    for (int64_t s = 0; s < num_pieces; ++s) {
-      int64_t greater = 0;
-      for (int b = high_bin + 1; b < kHighBins; ++b) greater += high[s][b];
-      for (int b = low_bin + 1; b < kLowBins; ++b) greater += low[s][b];
-      const int64_t ties = low[s][low_bin];
-      ties_taken[s] = std::clamp<int64_t>(ties_to_take - ties_before, 0, ties);
-      ties_before += ties;
-      offset[s + 1] = offset[s] + greater + ties_taken[s];
-    }
-
-    // Pass 3: write the selection in increasing index order.
-    ParallelFor(ctx, num_pieces, cost, [&](int64_t first, int64_t last) {
-      for (int64_t s = first; s < last; ++s) {
-        const Piece<T>& piece = pieces[s];
-        int64_t out = offset[s], ties_left = ties_taken[s];
-        for (int64_t i = 0; i < piece.length && out < offset[s + 1]; ++i) {
-          const uint32_t key = AbsKey(piece.data[i]);
-          if (key > threshold || (key == threshold && ties_left-- > 0)) {
-            values[out] = piece.data[i];
-            indices[out] = static_cast<int32_t>(piece.begin + i);
-            ++out;
-          }
-        }
-      }
-    });
   }
 };
 
