@@ -50,7 +50,9 @@ class BuildTFOps(build_ext):
         version, compile_flags, link_flags = tensorflow_build_config()
         # AVX + F16C: required by TensorFlow's own x86 wheels and used by Horovod's build.
         simd = ["-mavx", "-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []
-        ext.extra_compile_args = ["-std=c++17", "-O3", "-fvisibility=hidden", *simd, *compile_flags,
+        # -ffp-contract=off: no fused multiply-adds, so kernels round as TensorFlow's own ops do.
+        ext.extra_compile_args = ["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden", *simd,
+                                  *compile_flags,
                                   f'-DHVD_COMPRESS_TF_VERSION="{version}"']
         ext.extra_link_args = link_flags
         self.build_temp = os.path.join(self.build_temp, f"tf{version}")

@@ -24,7 +24,7 @@ REBUILD_HINT = (
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
-             "ZeroAt", "ScatterMean",
+             "ZeroAt", "ScatterMean", "MomentumErrorFeed",
              "HvdCompressBuildInfo")
 
 
@@ -181,6 +181,14 @@ def top_k_abs(x, k):
             f"k must be between 0 and the number of elements of the tensor ({n}), got k={k}. "
             "Lower k or the top-k ratio.")
     return library().top_k_abs(xs, tf.cast(k, tf.int32))
+
+
+def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov):
+    """Error feedback with momentum in front of the compressor, in one pass over float32 g, m, e:
+    m_new = momentum * m + g; p = momentum * m_new + g if nesterov else m_new; a = lr * p + e.
+    Returns (m_new, a), each product and sum rounded as TensorFlow's own ops would round it."""
+    return library().momentum_error_feed(g, m, e, tf.cast(learning_rate, tf.float32),
+                                         momentum=float(momentum), nesterov=bool(nesterov))
 
 
 def zero_at(parts, indices):

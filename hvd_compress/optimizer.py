@@ -443,10 +443,10 @@ class GradientExchange(tf.Module):
         if not self.direct_update:
             return g + e
         m = self.momenta[self.layout.slot[i]]
+        velocity, a = ops.momentum_error_feed(g, m, e, learning_rate, momentum, nesterov)
         with tf.name_scope("hc_state_update"):
-            m.assign(momentum * m + g)
-        p = momentum * m + g if nesterov else tf.identity(m)
-        return learning_rate * p + e
+            m.assign(velocity)
+        return a
 
 
 def check_known_variables(planned_ids, variables, owner):

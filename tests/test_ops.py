@@ -312,6 +312,10 @@ def test_ops_have_no_gradient():
     (lambda: ops.half_unpack(tf.ones([5], tf.float16), [(4,)], [tf.float32]), tf.errors.InvalidArgumentError,
      "sum\\(sizes\\) = 4"),
     (lambda: ops.half_mean(tf.ones([4], tf.float16)), tf.errors.InvalidArgumentError, "must be \\[count, m\\]"),
+    (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([5]), 0.1, 0.9, False),
+     tf.errors.InvalidArgumentError, "one shape"),
+    (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([4]), [0.1, 0.2], 0.9, False),
+     tf.errors.InvalidArgumentError, "lr must be a scalar"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
@@ -392,3 +396,21 @@ def test_top_k_abs_of_large_inputs_matches_numpy(case, dtype):
         np.testing.assert_array_equal(indices.numpy(), want_indices)
         # as float32: NumPy finds bfloat16's NaNs unequal
         np.testing.assert_array_equal(values.numpy().astype(np.float32), want_values.astype(np.float32))
+
+
+@SETTINGS
+@given(n=st.integers(0, 3 * ref.KCHUNK + 5), momentum=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+       nesterov=st.booleans(), seed=st.integers(0, 2**16))
+def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, seed):
+    """The fused worker step rounds as the six TensorFlow ops it replaces (and as NumPy's float32)."""
+    rng = np.random.default_rng(seed)
+    g, m, e = (rng.standard_normal(n).astype(np.float32) * np.float32(s) for s in (1, 3, 1e-3))
+    lr = np.float32(rng.uniform(1e-3, 1))
+    m_new, a = ops.momentum_error_feed(tf.constant(g), m, e, lr, momentum, nesterov)
+    want_m = np.float32(momentum) * m + g
+    want_a = lr * (np.float32(momentum) * want_m + g if nesterov else want_m) + e
+    np.testing.assert_array_equal(m_new.numpy(), want_m)
+    np.testing.assert_array_equal(a.numpy(), want_a)
+    tf_m = momentum * tf.constant(m) + g
+    tf_a = lr * (momentum * tf_m + g if nesterov else tf_m) + e
+    np.testing.assert_array_equal(a.numpy(), tf_a.numpy())

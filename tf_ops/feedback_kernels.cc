@@ -1,0 +1,61 @@
+// CPU kernel for MomentumErrorFeed (see feedback_ops.cc): reads g, m and e
+// once and writes m_new and a; a takes over g's buffer when nothing else holds it.
+// Built with -ffp-contract=off (setup.py, BUILD), so every product and sum is
+// rounded as TensorFlow's separate ops round it.
+#include "blocks.h"
+#include "tensorflow/core/framework/op_kernel.h"
+
+namespace hvd_compress {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::errors::InvalidArgument;
+
+class MomentumErrorFeedOp : public OpKernel {
+ public:
+  explicit MomentumErrorFeedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &momentum_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &nesterov_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& g = ctx->input(0);
+    const Tensor& m = ctx->input(1);
+    const Tensor& e = ctx->input(2);
+    const Tensor& lr = ctx->input(3);
+    OP_REQUIRES(ctx, g.shape() == m.shape() && g.shape() == e.shape(),
+                InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
+                                m.shape().DebugString(), " and ", e.shape().DebugString()));
+    OP_REQUIRES(ctx, lr.dims() == 0, InvalidArgument("lr must be a scalar, got shape ",
+                                                     lr.shape().DebugString()));
+    Tensor* m_new = nullptr;
+    Tensor* a = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &m_new));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 1, g.shape(), &a));
+    const float* gp = g.flat<float>().data();
+    const float* mp = m.flat<float>().data();
+    const float* ep = e.flat<float>().data();
+    float* m_out = m_new->flat<float>().data();
+    float* a_out = a->flat<float>().data();
+    const float rate = lr.scalar<float>()(), mu = momentum_;
+    const bool nesterov = nesterov_;
+    ParallelFor(ctx, NumChunks(g.NumElements()), kChunk * 4, [&](int64_t first, int64_t last) {
+      const int64_t end = std::min(last * kChunk, g.NumElements());
+      for (int64_t i = first * kChunk; i < end; ++i) {
+        const float grad = gp[i];  // read before a (which may be g's buffer) is written
+        const float velocity = mu * mp[i] + grad;
+        m_out[i] = velocity;
+        a_out[i] = rate * (nesterov ? mu * velocity + grad : velocity) + ep[i];
+      }
+    });
+  }
+
+ private:
+  float momentum_;
+  bool nesterov_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("MomentumErrorFeed").Device(DEVICE_CPU), MomentumErrorFeedOp);
+
+}  // namespace hvd_compress
