@@ -205,6 +205,9 @@ class Network:
             _run("ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", IFACE)
             _run("ip", "-n", ns, "link", "set", IFACE, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            # Each job starts from a clean TCP state: no ssthresh or RTT cached from the previous
+            # job's connections to the same address (a bulk fp32 run would slow the next method).
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1")
             if not self.slow_start_after_idle:  # keep cwnd across the compute gaps between steps
                 _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
             self._shape("dev", host_veth)  # bridge -> rank i (its download)

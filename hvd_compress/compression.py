@@ -165,11 +165,13 @@ class TopKCompressor(StatefulCompressor):
         return ops.scatter_dense(indices, values, num_elements)
 
     @staticmethod
-    def decode_mean(payloads, shapes):
+    def decode_mean(payloads, shapes, count=None):
         """Stacked (values [m, k], indices [m, k]) of m ranks -> their mean, cut into tensors of `shapes`
-        (the parts of the concatenation the indices address), with no dense tensor per rank."""
+        (the parts of the concatenation the indices address), with no dense tensor per rank. count:
+        how many ranks' values the payloads hold (default m; random-k's one payload is a sum)."""
         values, indices = payloads
-        return ops.scatter_mean(tf.reshape(indices, [-1]), tf.reshape(values, [-1]), shapes, values.shape[0])
+        return ops.scatter_mean(tf.reshape(indices, [-1]), tf.reshape(values, [-1]), shapes,
+                                values.shape[0] if count is None else count)
 
     @staticmethod
     def payload_bytes(k, element_bytes=4):
@@ -201,7 +203,8 @@ class RandomKCompressor(TopKCompressor):
             tf.range(k, dtype=tf.int64), seed, num_elements - 1), tf.int32)
 
     def encode(self, flat, indices):
-        return tf.gather(flat, indices), indices
+        """flat [n], or a list of tensors read as their concatenation -> (values at indices, indices)."""
+        return ops.gather_at(flat if isinstance(flat, (list, tuple)) else [flat], indices), indices
 
     @staticmethod
     def payload_bytes(k, element_bytes=4):

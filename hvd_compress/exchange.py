@@ -433,7 +433,13 @@ class SparseAllgather(Exchange):
 
 class SharedRandomAllreduce(Exchange):
     """Random-k: every rank draws the same k coordinates (stateless, from seed, step and the
-    bucket's index), so only values travel, summed by a plain allreduce."""
+    bucket's index), so only values travel, summed by a plain allreduce.
+
+    Like top-k it works on the bucket's parts where they lie: the values are read at the
+    coordinates (ops.gather_at), the residual is the parts with them zeroed in place
+    (ops.zero_at), and the summed values are scattered straight into each variable's update
+    (ops.scatter_mean). One extra value carries NaN from a rank whose input is not all finite.
+    """
 
     def __init__(self, compressor, bucket):
         self.compressor, self.bucket = compressor, bucket
@@ -441,14 +447,17 @@ class SharedRandomAllreduce(Exchange):
         self.k = compressor.num_selected(self.n)
         self.bytes_sent = allreduce_bytes(compressor.payload_bytes(self.k), bucket.size)
 
-    def exchange(self, flat, state, step):
+    def __call__(self, parts, state, step):
         indices = self.compressor.indices(self.n, self.k, step.number, self.bucket.index)
-        values = tf.gather(flat, indices)
-        sent = self.compressor.decode((values, indices), self.n)
-        summed = hvd.allreduce(tf.concat([values, [poison(flat)]], 0), op=hvd.Sum,
+        values, _ = self.compressor.encode(parts, indices)
+        poisoned = tf.add_n([poison(p) for p in parts])
+        with tf.control_dependencies([values, poisoned]):  # read the parts before they are zeroed in place
+            residual = ops.zero_at(parts, indices)
+        summed = hvd.allreduce(tf.concat([values, [poisoned]], 0), op=hvd.Sum,
                                process_set=self.bucket.process_set, name=self.bucket.name)
-        update = self.compressor.decode((summed[:-1], indices), self.n) / self.bucket.size
-        return Step(sent, update + summed[-1])
+        update = self.compressor.decode_mean((summed[None, :-1], indices[None]), [p.shape for p in parts],
+                                             count=self.bucket.size)
+        return Exchanged(residual, [u + summed[-1] for u in update])
 
 
 class SketchAllreduce(Exchange):

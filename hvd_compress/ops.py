@@ -24,7 +24,7 @@ REBUILD_HINT = (
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
-             "ZeroAt", "ScatterMean", "MomentumErrorFeed",
+             "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed",
              "HvdCompressBuildInfo")
 
 
@@ -195,6 +195,12 @@ def zero_at(parts, indices):
     """The float32 tensors `parts` with the elements at int32 `indices` of their concatenation (each
     flattened) set to zero; a part nothing else holds is zeroed in place."""
     return library().zero_at([tf.reshape(p, [-1]) for p in parts], indices)
+
+
+def gather_at(parts, indices):
+    """The elements at int32 `indices` of the concatenation of the float32 tensors `parts` (each
+    flattened), read in place."""
+    return library().gather_at([tf.reshape(p, [-1]) for p in parts], indices)
 
 
 def scatter_mean(indices, values, shapes, count):

@@ -215,9 +215,10 @@ def test_shape_inference_with_unknown_dimensions():
 @given(sizes=st.lists(st.sampled_from([1, 2, 9, 300, ref.KCHUNK + 3, 70000]), min_size=1, max_size=4),
        data=st.data(), ranks=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_top_k_over_parts_zero_at_and_scatter_mean_match_numpy(sizes, data, ranks, seed):
-    """Top-k's in-place path: the selection over a list of parts is the one over their concatenation
-    (pieces never cross a part, so this checks the cut), the residual zeroes it, and the allgathered
-    pairs of `ranks` ranks (duplicates across ranks) give the NumPy mean of their dense sums."""
+    """Top-k's and random-k's in-place path: the selection over a list of parts is the one over their
+    concatenation (pieces never cross a part, so this checks the cut), gather_at reads it back, the
+    residual zeroes it, and the allgathered pairs of `ranks` ranks (duplicates across ranks) give the
+    NumPy mean of their dense sums."""
     rng = np.random.default_rng(seed)
     parts = [rng.integers(-4, 5, n).astype(np.float32) for n in sizes]  # ties cross the parts
     flat = np.concatenate(parts)
@@ -226,6 +227,7 @@ def test_top_k_over_parts_zero_at_and_scatter_mean_match_numpy(sizes, data, rank
     want_values, want_indices = ref.top_k_abs(flat, k)
     np.testing.assert_array_equal(values.numpy(), want_values)
     np.testing.assert_array_equal(indices.numpy(), want_indices)
+    np.testing.assert_array_equal(ops.gather_at([tf.constant(p) for p in parts], indices).numpy(), want_values)
     zeroed = ops.zero_at([tf.constant(p) for p in parts], indices)
     np.testing.assert_array_equal(np.concatenate([z.numpy() for z in zeroed]),
                                   flat - ref.scatter_dense(want_indices, want_values, flat.size))
@@ -306,6 +308,8 @@ def test_ops_have_no_gradient():
     (lambda: ops.top_k_abs(tf.ones([4]), tf.constant(5)), tf.errors.InvalidArgumentError, "k must be"),
     (lambda: ops.scatter_dense([0, 4], [1.0, 2.0], 4), tf.errors.InvalidArgumentError, "out of range"),
     (lambda: ops.zero_at([tf.ones([4])], tf.constant([4])), tf.errors.InvalidArgumentError, "out of range"),
+    (lambda: ops.gather_at([tf.ones([4]), tf.ones([2])], tf.constant([6])), tf.errors.InvalidArgumentError,
+     "out of range"),
     (lambda: ops.scatter_mean(tf.constant([0, 9]), tf.ones([2]), [(4,), (5,)], 2), tf.errors.InvalidArgumentError,
      "out of range"),
     (lambda: ops.half_pack([tf.ones([4], tf.int32)]), TypeError, "float"),

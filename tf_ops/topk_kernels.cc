@@ -1,4 +1,4 @@
-// CPU kernels for TopKAbs, ScatterDense, ZeroAt and ScatterMean.
+// CPU kernels for TopKAbs, ScatterDense, ZeroAt, GatherAt and ScatterMean.
 //
 // TopKAbs selects on the 31-bit key of |x| (AbsKey in blocks.h). Its result is
 // defined exactly (the k largest keys, ties to the lower index, in index
@@ -380,6 +380,35 @@ class ZeroAtOp : public OpKernel {
   }
 };
 
+// GatherAt: the elements at `indices` of the concatenation of the parts.
+class GatherAtOp : public OpKernel {
+ public:
+  explicit GatherAtOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    tensorflow::OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    const Tensor& indices = ctx->input(xs.size());
+    std::vector<int64_t> sizes;
+    std::vector<const float*> parts;
+    for (int i = 0; i < xs.size(); ++i) {
+      sizes.push_back(xs[i].NumElements());
+      parts.push_back(xs[i].flat<float>().data());
+    }
+    const PartIndex where(sizes);
+    const int32_t* idx = indices.flat<int32_t>().data();
+    const int64_t k = indices.NumElements();
+    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, indices.shape(), &values));
+    float* out = values->flat<float>().data();
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t part = where.PartOf(idx[i]);
+      out[i] = parts[part][idx[i] - where.start(part)];
+    }
+  }
+};
+
 // ScatterMean: dense parts of `sizes` holding, at every index of their
 // concatenation, the sum of the values given for it (in input order) divided
 // by count; zero elsewhere. No dense tensor is made for any single payload.
@@ -442,6 +471,7 @@ class ScatterMeanOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("ZeroAt").Device(DEVICE_CPU), ZeroAtOp);
+REGISTER_KERNEL_BUILDER(Name("GatherAt").Device(DEVICE_CPU), GatherAtOp);
 REGISTER_KERNEL_BUILDER(Name("ScatterMean").Device(DEVICE_CPU), ScatterMeanOp);
 
 #define REGISTER_TOPK_KERNELS(T)                                         \

@@ -69,6 +69,22 @@ xs with the elements at `indices` (of their concatenation) set to zero. An
 input nothing else holds is zeroed in place (no copy).
 )doc");
 
+REGISTER_OP("GatherAt")
+    .Input("xs: N * float")
+    .Input("indices: int32")
+    .Output("values: float")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(c->num_inputs() - 1), 1, &indices));
+      c->set_output(0, indices);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The elements at `indices` of the concatenation of xs (each flattened), read in
+place (no concatenation is made).
+)doc");
+
 REGISTER_OP("ScatterMean")
     .Input("indices: int32")
     .Input("values: float")
