@@ -118,6 +118,20 @@ inline absl::Status CheckIndices(const Index* idx, int64_t k, int64_t n) {
   return absl::OkStatus();
 }
 
+// Checks that every int32 index is in [0, where.total()), then calls
+// at(i, part, offset) for each, in order: index i is element `offset` of `part`.
+template <typename Fn>
+inline absl::Status ForEachIndexInParts(const Tensor& indices, const PartIndex& where, Fn&& at) {
+  const int32_t* idx = indices.flat<int32_t>().data();
+  const int64_t k = indices.NumElements();
+  TF_RETURN_IF_ERROR(CheckIndices(idx, k, where.total()));
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t part = where.PartOf(idx[i]);
+    at(i, part, idx[i] - where.start(part));
+  }
+  return absl::OkStatus();
+}
+
 // |v| as an order-preserving unsigned key: larger |v| gives a larger key and
 // NaN sorts above +Inf, so a NaN is always among the largest magnitudes.
 template <typename T>

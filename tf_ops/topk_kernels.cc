@@ -369,14 +369,9 @@ class ZeroAtOp : public OpKernel {
       }
       parts.push_back(y->flat<float>().data());
     }
-    const PartIndex where(sizes);
-    const int32_t* idx = indices.flat<int32_t>().data();
-    const int64_t k = indices.NumElements();
-    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t part = where.PartOf(idx[i]);
-      parts[part][idx[i] - where.start(part)] = 0.0f;
-    }
+    OP_REQUIRES_OK(ctx, ForEachIndexInParts(indices, PartIndex(sizes), [&](int64_t, int64_t part, int64_t at) {
+      parts[part][at] = 0.0f;
+    }));
   }
 };
 
@@ -395,17 +390,12 @@ class GatherAtOp : public OpKernel {
       sizes.push_back(xs[i].NumElements());
       parts.push_back(xs[i].flat<float>().data());
     }
-    const PartIndex where(sizes);
-    const int32_t* idx = indices.flat<int32_t>().data();
-    const int64_t k = indices.NumElements();
-    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
     Tensor* values = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, indices.shape(), &values));
     float* out = values->flat<float>().data();
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t part = where.PartOf(idx[i]);
-      out[i] = parts[part][idx[i] - where.start(part)];
-    }
+    OP_REQUIRES_OK(ctx, ForEachIndexInParts(indices, PartIndex(sizes), [&](int64_t i, int64_t part, int64_t at) {
+      out[i] = parts[part][at];
+    }));
   }
 };
 
@@ -437,7 +427,7 @@ class ScatterMeanOp : public OpKernel {
     const PartIndex& where = *where_;
     const int32_t* idx = indices.flat<int32_t>().data();
     const float* v = values.flat<float>().data();
-    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));
+    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));  // before anything is written
     tensorflow::OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
     std::vector<float*> parts;
@@ -451,17 +441,14 @@ class ScatterMeanOp : public OpKernel {
     });
     // Sums, then one division per index that received a value (the first time it is met).
     std::vector<bool> divided(where.total(), false);
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t part = where.PartOf(idx[i]);
-      parts[part][idx[i] - where.start(part)] += v[i];
-    }
+    OP_REQUIRES_OK(ctx, ForEachIndexInParts(indices, where, [&](int64_t i, int64_t part, int64_t at) {
+      parts[part][at] += v[i];
+    }));
     const float divisor = static_cast<float>(count_);
-    for (int64_t i = 0; i < k; ++i) {
-      if (divided[idx[i]]) continue;
+    OP_REQUIRES_OK(ctx, ForEachIndexInParts(indices, where, [&](int64_t i, int64_t part, int64_t at) {
+      if (!divided[idx[i]]) parts[part][at] /= divisor;
       divided[idx[i]] = true;
-      const int64_t part = where.PartOf(idx[i]);
-      parts[part][idx[i] - where.start(part)] /= divisor;
-    }
+    }));
   }
 
  private:
