@@ -105,6 +105,12 @@ class OneBitCompressor(StatefulCompressor):
         """flat [n] -> (bits uint8[ceil(n/8)], scales float32[B])."""
         return ops.block_sign_pack(flat, bounds=bounds)
 
+    def compress(self, flat, bounds):
+        """flat float32 [n] -> ((bits, scales), flat - C(flat)): the payload and the residual it leaves,
+        in one op (the residual as decode and a subtraction would give it, in flat's buffer)."""
+        bits, scales, residual = ops.block_sign_compress(flat, bounds=bounds)
+        return (bits, scales), residual
+
     def decode(self, payload, bounds, dtype=tf.float32):
         """One payload -> dtype[n] with +-scale per element."""
         bits, scales = payload

@@ -112,10 +112,11 @@ class StepInfo(NamedTuple):
 
 class Step(NamedTuple):
     """What one exchange step on the bucket's flat vector returns (Exchange.exchange)."""
-    sent: tf.Tensor  # what this worker sent: its residual is flat - sent
+    sent: Optional[tf.Tensor]  # what this worker sent: its residual is flat - sent
     update: tf.Tensor  # the mean update of all workers
     state: dict = {}  # new values of the exchange's state, by name
     applied: Optional[tf.Tensor] = None  # indices where the update was applied (sketched SGD)
+    residual: Optional[tf.Tensor] = None  # flat - sent, where the compressor gives it (then sent is None)
 
 
 class Exchanged(NamedTuple):
@@ -151,8 +152,8 @@ class Exchange:
         flat = tf.concat(parts, 0)
         result = self.exchange(flat, state, step)
         sizes = [int(p.shape[0]) for p in parts]
-        return Exchanged(tf.split(flat - result.sent, sizes), tf.split(result.update, sizes), result.state,
-                         result.applied)
+        residual = flat - result.sent if result.residual is None else result.residual
+        return Exchanged(tf.split(residual, sizes), tf.split(result.update, sizes), result.state, result.applied)
 
     def exchange(self, flat, state, step):
         """flat: the bucket's values as one float32 [n] vector. Returns a Step."""
@@ -322,12 +323,11 @@ class SignAllgather(Exchange):
 
     def exchange(self, flat, state, step):
         bounds = tf.constant(self.bounds)
-        bits, scales = self.compressor.encode(flat, bounds)
-        sent = self.compressor.decode((bits, scales), bounds)
+        (bits, scales), residual = self.compressor.compress(flat, bounds)
         gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.bucket.process_set,
                                  name=self.bucket.name)
         everyone = _split_sign_payloads(gathered, self.bucket.size, self.num_bytes, self.num_blocks)
-        return Step(sent, self.compressor.decode_mean(everyone, bounds))
+        return Step(None, self.compressor.decode_mean(everyone, bounds), residual=residual)
 
 
 def shard_cuts(num_elements, size):
@@ -378,8 +378,7 @@ class SignTwoWay(Exchange):
 
     def exchange(self, flat, state, step):
         bounds, process_set, name = tf.constant(self.bounds), self.bucket.process_set, self.bucket.name
-        bits, scales = self.compressor.encode(flat, bounds)
-        sent = self.compressor.decode((bits, scales), bounds)
+        (bits, scales), residual = self.compressor.compress(flat, bounds)
         payloads = self._shard_payloads(bits, scales)
         received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
                                    process_set=process_set, name=name + ".alltoall")
@@ -388,9 +387,8 @@ class SignTwoWay(Exchange):
         averaged = self.compressor.decode_mean(
             _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
                                  mine["last_block"] - mine["first_block"]), server_bounds)
-        server_input = averaged + state["server_residual"]
-        server_bits, server_scales = self.compressor.encode(server_input, server_bounds)
-        server_sent = self.compressor.decode((server_bits, server_scales), server_bounds)
+        (server_bits, server_scales), server_residual = self.compressor.compress(
+            averaged + state["server_residual"], server_bounds)
         gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
                                  process_set=process_set, name=name + ".allgather")
         all_bits, all_scales, offset = [], [], 0
@@ -401,7 +399,7 @@ class SignTwoWay(Exchange):
             all_scales.append(scales_j[0])
             offset += s["payload"]
         update = self.compressor.decode((tf.concat(all_bits, 0), tf.concat(all_scales, 0)), bounds)
-        return Step(sent, update, {"server_residual": server_input - server_sent})
+        return Step(None, update, {"server_residual": server_residual}, residual=residual)
 
 
 class SparseAllgather(Exchange):

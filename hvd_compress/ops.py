@@ -22,7 +22,7 @@ REBUILD_HINT = (
     "`make setup` (or `pip install --no-build-isolation -e .`)."
 )
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
-_OP_NAMES = ("BlockSignPack", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
+_OP_NAMES = ("BlockSignPack", "BlockSignCompress", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
              "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed",
              "HvdCompressBuildInfo")
@@ -134,6 +134,14 @@ def block_sign_pack(x, block_size=None, bounds=None):
     x = tf.convert_to_tensor(x)
     check_float(x, "x")
     return library().block_sign_pack(x, _bounds(_static_size(x), block_size, bounds))
+
+
+def block_sign_compress(x, block_size=None, bounds=None):
+    """block_sign_pack of float32 x [n] and the error-feedback residual x - C(x) in one op:
+    (bits, scales, residual), the residual exactly x - block_sign_unpack(bits, scales), written
+    in x's buffer when nothing else holds it."""
+    x = tf.convert_to_tensor(x)
+    return library().block_sign_compress(x, _bounds(_static_size(x), block_size, bounds))
 
 
 def block_sign_unpack(bits, scales, n, block_size=None, bounds=None, dtype=tf.float32):

@@ -52,6 +52,24 @@ def test_pack_unpack_match_numpy_bit_exact(layout, dtype, seed):
 
 
 @SETTINGS
+@given(layout=LAYOUTS, seed=st.integers(0, 2**16), non_finite=st.booleans())
+def test_compress_gives_the_pack_and_the_residual_of_its_decoding(layout, seed, non_finite):
+    """block_sign_compress: block_sign_pack's payload and x - unpack(payload), bit for bit, also where
+    x holds NaN or Inf (whose block's scale is then not finite)."""
+    n, block_size = layout
+    x = sample(n, seed).numpy()
+    if non_finite and n:
+        x[np.random.default_rng(seed).integers(0, n, 2)] = [np.nan, -np.inf]
+    bits, scales, residual = ops.block_sign_compress(tf.constant(x), block_size)
+    want_bits, want_scales = ops.block_sign_pack(x, block_size)
+    np.testing.assert_array_equal(bits.numpy(), want_bits.numpy())
+    np.testing.assert_array_equal(scales.numpy(), want_scales.numpy())
+    with np.errstate(invalid="ignore"):  # inf - inf
+        want_residual = x - ops.block_sign_unpack(bits, scales, n, block_size).numpy()
+    np.testing.assert_array_equal(residual.numpy(), want_residual)
+
+
+@SETTINGS
 @given(layout=LAYOUTS, seed=st.integers(0, 2**16))
 def test_unpack_of_pack_has_signs_and_block_means(layout, seed):
     n, block_size = layout

@@ -1,4 +1,5 @@
-// CPU kernels for BlockSignPack, BlockSignUnpack and BlockSignUnpackMean.
+// CPU kernels for BlockSignPack (and BlockSignCompress), BlockSignUnpack and
+// BlockSignUnpackMean.
 // See sign_ops.cc for the op contracts and blocks.h for the deterministic
 // chunking: both passes run over fixed global chunks of kChunk elements, so
 // the scales are bit-identical for any number of threads.
@@ -146,7 +147,10 @@ void DecodeSigns(const uint8_t* bits, float scale, int64_t begin, int64_t end,
 
 }  // namespace
 
-template <typename T>
+// kResidual: BlockSignCompress, which also returns x - C(x), computed as
+// BlockSignUnpack's decoding and a float32 subtraction would, in x's buffer
+// when nothing else holds it.
+template <typename T, bool kResidual>
 class BlockSignPackOp : public OpKernel {
  public:
   explicit BlockSignPackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -165,6 +169,11 @@ class BlockSignPackOp : public OpKernel {
                                              &bits_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}),
                                              &scales_tensor));
+    Tensor* residual_tensor = nullptr;
+    if (kResidual) {
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 2, x_tensor.shape(),
+                                                                &residual_tensor));
+    }
     if (n == 0) return;
     const T* x = x_tensor.flat<T>().data();
     uint8_t* bits = bits_tensor->flat<uint8_t>().data();
@@ -203,6 +212,23 @@ class BlockSignPackOp : public OpKernel {
                                                  bounds[b + 1] - bounds[b]));
       }
     });
+    if constexpr (kResidual) {
+      // Pass 3: residual = x - (+-scale), the sign as pass 1 packed it (x < 0: false for -0
+      // and NaN); the residual may be x's own buffer.
+      float* residual = residual_tensor->flat<float>().data();
+      ParallelFor(ctx, NumChunks(n), kChunk * 2, [&](int64_t first, int64_t last) {
+        for (int64_t c = first; c < last; ++c) {
+          const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+          ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+            const float up = scales[b], down = -scales[b];
+            for (int64_t i = begin; i < end; ++i) {
+              const float v = x[i];
+              residual[i] = v - (v < 0.0f ? down : up);
+            }
+          });
+        }
+      });
+    }
   }
 };
 
@@ -280,7 +306,7 @@ class BlockSignUnpackOp : public OpKernel {
 #define REGISTER_SIGN_KERNELS(T)                                            \
   REGISTER_KERNEL_BUILDER(                                                  \
       Name("BlockSignPack").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
-      BlockSignPackOp<T>);                                                  \
+      BlockSignPackOp<T, false>);                                           \
   REGISTER_KERNEL_BUILDER(                                                  \
       Name("BlockSignUnpack").Device(DEVICE_CPU).TypeConstraint<T>("T"),    \
       BlockSignUnpackOp<T, false>);                                         \
@@ -292,5 +318,6 @@ REGISTER_SIGN_KERNELS(float);
 REGISTER_SIGN_KERNELS(Eigen::half);
 REGISTER_SIGN_KERNELS(Eigen::bfloat16);
 #undef REGISTER_SIGN_KERNELS
+REGISTER_KERNEL_BUILDER(Name("BlockSignCompress").Device(DEVICE_CPU), BlockSignPackOp<float, true>);
 
 }  // namespace hvd_compress

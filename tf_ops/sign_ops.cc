@@ -51,6 +51,17 @@ absl::Status UnpackShape(InferenceContext* c, int payload_rank) {
   return absl::OkStatus();
 }
 
+// bits [ceil(n / 8)] and scales [B] of x [n] and bounds [B + 1].
+absl::Status PackShape(InferenceContext* c) {
+  DimensionHandle blocks, n_plus_7, num_bytes;
+  TF_RETURN_IF_ERROR(NumBlocks(c, 1, &blocks));
+  TF_RETURN_IF_ERROR(c->Add(c->NumElements(c->input(0)), 7, &n_plus_7));
+  TF_RETURN_IF_ERROR(c->Divide(n_plus_7, 8, /*evenly_divisible=*/false, &num_bytes));
+  c->set_output(0, c->Vector(num_bytes));
+  c->set_output(1, c->Vector(blocks));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("BlockSignPack")
@@ -59,22 +70,30 @@ REGISTER_OP("BlockSignPack")
     .Output("bits: uint8")
     .Output("scales: float")
     .Attr("T: {float, half, bfloat16}")
-    .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle blocks, n_plus_7, num_bytes;
-      TF_RETURN_IF_ERROR(NumBlocks(c, 1, &blocks));
-      TF_RETURN_IF_ERROR(c->Add(c->NumElements(c->input(0)), 7, &n_plus_7));
-      TF_RETURN_IF_ERROR(c->Divide(n_plus_7, 8, /*evenly_divisible=*/false,
-                                   &num_bytes));
-      c->set_output(0, c->Vector(num_bytes));
-      c->set_output(1, c->Vector(blocks));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(PackShape)
     .Doc(R"doc(
 Packs the signs of x (flattened) into bits and computes one scale per block.
 
 bits: uint8[ceil(n / 8)], bit j of byte i set when x[8i + j] < 0.
 scales: float32[B], scales[b] = mean(|x[bounds[b]:bounds[b+1]]|); a NaN or Inf
   in a block makes that block's scale non-finite.
+)doc");
+
+REGISTER_OP("BlockSignCompress")
+    .Input("x: float")
+    .Input("bounds: int64")
+    .Output("bits: uint8")
+    .Output("scales: float")
+    .Output("residual: float")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(PackShape(c));
+      c->set_output(2, c->input(0));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+BlockSignPack's bits and scales of float32 x, and the error-feedback residual
+x - C(x) with C(x) as BlockSignUnpack decodes it, in x's buffer when nothing
+else holds it.
 )doc");
 
 REGISTER_OP("BlockSignUnpack")
