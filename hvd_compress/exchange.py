@@ -133,7 +133,8 @@ class Exchange:
     The optimizer calls it with the bucket's values as `parts`, one flat float32 tensor per
     variable. By default the parts are concatenated into the bucket's flat vector, which
     `exchange` works on, and the residual and update are cut back into parts. An exchange that
-    can work on the parts where they lie (top-k) overrides __call__ and makes no concatenation.
+    can work on the parts where they lie (top-k, random-k, PowerSGD) overrides __call__ and makes
+    no concatenation.
     """
 
     #: the StateSpecs this exchange needs, created once by the GradientExchange
@@ -560,24 +561,22 @@ class LowRankAllreduce(Exchange):
             offset += size
         return out
 
-    def exchange(self, flat, state, step):
+    def __call__(self, parts, state, step):
+        """Works on each variable's part as its matrix, with no concatenation of the bucket."""
         if self.compressor.warm_start:
             qs = [state[spec.name] for spec in self.state]
         else:
             qs = [self._shared_normal(j, step.number)([m, self.compressor.rank])
                   for j, (_, m) in enumerate(self.matrices)]
-        ms, offset = [], 0
-        for n, m in self.matrices:
-            ms.append(tf.reshape(flat[offset:offset + n * m], [n, m]))
-            offset += n * m
+        ms = [tf.reshape(part, shape) for part, shape in zip(parts, self.matrices)]
         ps = self._fused_mean([tf.matmul(m, q) for m, q in zip(ms, qs)], self.bucket.name + ".p")
         ps = [tf.linalg.qr(p)[0] for p in ps]  # orthonormal columns spanning P
         new_qs = self._fused_mean([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)],
                                   self.bucket.name + ".q")
-        update = tf.concat([tf.reshape(tf.matmul(p, q, transpose_b=True), [-1])
-                            for p, q in zip(ps, new_qs)], 0)
-        # PowerSGD's error is against the shared approximation: "sent" is the update itself.
-        return Step(update, update, {spec.name: q for spec, q in zip(self.state, new_qs)})
+        updates = [tf.reshape(tf.matmul(p, q, transpose_b=True), [-1]) for p, q in zip(ps, new_qs)]
+        # PowerSGD's error is against the shared approximation: what is sent is the update itself.
+        return Exchanged([part - u for part, u in zip(parts, updates)], updates,
+                         {spec.name: q for spec, q in zip(self.state, new_qs)})
 
 
 def _sign(compressor, bucket):
