@@ -24,6 +24,8 @@ sets net.ipv4.tcp_slow_start_after_idle=0 in the namespaces, a common tuning
 on clusters: by default a connection idle for longer than its retransmission
 timeout (200 ms at least) starts again from a congestion window of 10
 segments, and the compute between two steps' exchanges is such a pause.
+Every namespace sets net.ipv4.tcp_no_metrics_save=1, so each job starts from a
+clean TCP state, not from what the previous job's connections left cached.
 
 Each namespace gets /etc/netns/<ns>/hosts (bind-mounted over /etc/hosts by
 `ip netns exec`) that resolves every rank's hostname to its address, and

@@ -55,6 +55,16 @@ def stock_top_k(x, k):
     return tf.gather(x, indices), indices
 
 
+def stock_compress(x, bounds):
+    bits, scales = ops.block_sign_pack(x, bounds=bounds)
+    return bits, scales, x - ops.block_sign_unpack(bits, scales, None, bounds=bounds)
+
+
+def stock_momentum_error_feed(g, m, e, lr=0.1, momentum=0.9):
+    velocity = momentum * m + g
+    return velocity, lr * (momentum * velocity + g) + e
+
+
 def median_seconds(fn, *args):
     fn(*args)  # trace and warm up
     times = []
@@ -85,6 +95,7 @@ def measure(n):
     shapes = {1: cols, fetch_rows: fetch_cols}
     sketches = {rows: ops.count_sketch(x, rows, c) for rows, c in shapes.items()}
     half = tf.cast(x, tf.float16)
+    m, e = (tf.constant(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
     cases = {
         "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
         "tf.identity": (tf.function(tf.identity), x),
@@ -99,6 +110,13 @@ def measure(n):
             tf.function(lambda b, s: stock_unpack_mean(b, s, n)), stacked_bits, stacked_scales),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n)": (tf.function(lambda t: ops.top_k_abs(t, k)), x),
         f"top_k_abs (k = {FLAGS.topk_ratio:g} n), stock TF": (tf.function(lambda t: stock_top_k(t, k)), x),
+        # Onebit's payload with its residual in one op, against pack, unpack and a subtraction.
+        "pack with residual (block_sign_compress)": (
+            tf.function(lambda t: ops.block_sign_compress(t, bounds=bounds)), x),
+        "pack with residual, as pack + unpack + sub": (tf.function(lambda t: stock_compress(t, bounds)), x),
+        # dist-EF-SGD's worker step (Nesterov) in one pass, against the six TensorFlow ops it replaces.
+        "momentum_error_feed": (tf.function(lambda g: ops.momentum_error_feed(g, m, e, 0.1, 0.9, True)), x),
+        "momentum_error_feed, stock TF": (tf.function(lambda g: stock_momentum_error_feed(g, m, e)), x),
         # Compression.fp16's casts into and out of its float16 buffer (F16C), and TensorFlow's tf.cast.
         "half_pack": (tf.function(lambda t: ops.half_pack([t])), x),
         "half_pack, stock TF": (tf.function(lambda t: tf.cast(t, tf.float16)), x),

@@ -18,11 +18,17 @@ def keras(request):
     return request.param
 
 
+def feature_methods(keras):
+    """The methods of this Keras (hvdrun.methods_in) and Compression.fp16 in hc.DistributedOptimizer
+    (our own 16-bit exchange, stateless)."""
+    return methods_in(keras) + ["fp16"]
+
+
 @pytest.fixture(scope="module")
 def features(keras):
     """Every case of workers/keras_features.py in this Keras: 2 ranks, one launch; per-rank
     {case: results}. Keras 3 runs hvdrun.ONE_PER_STATE_KIND."""
-    return [r["results"] for r in run_ranks("keras_features.py", f"--methods={','.join(methods_in(keras))}", np=2,
+    return [r["results"] for r in run_ranks("keras_features.py", f"--methods={','.join(feature_methods(keras))}", np=2,
                                             timeout=900, env=KERASES[keras])]
 
 
@@ -35,7 +41,7 @@ def matrix(features):
 def test_every_method_trains_with_the_feature(keras, matrix, row):
     """Every row: ranks identical after every step (SGP: after consensus), the loss falls, every
     piece of state is finite. And each row's own expectation, below."""
-    for method in methods_in(keras):
+    for method in feature_methods(keras):
         key = f"{row}/{method}"
         for rank, results in enumerate(matrix):
             got = results[key]
@@ -50,7 +56,9 @@ def test_every_method_trains_with_the_feature(keras, matrix, row):
             assert first["variable_dtypes"] == [row.split("_")[0]]
         if row == "unused_layer":  # no gradient: left alone, weight decay and momentum included
             assert first["unused_moved"] == second["unused_moved"] == 0.0
-        if row == "embedding" and method != "sgp":  # the sparse gradient is densified and compressed
+        if row == "embedding" and method == "fp16":  # the sparse gradient is densified and sent in 16 bits
+            assert first["bytes_per_step"] == first["uncompressed_bytes_per_step"] / 2
+        elif row == "embedding" and method != "sgp":  # the sparse gradient is densified and compressed
             assert first["bytes_per_step"] < first["uncompressed_bytes_per_step"] / 2
 
 
@@ -59,7 +67,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras, features):
     counts in the wrapped optimizer's iterations in tf_keras, not in Keras 3 (each Keras's way)."""
     ranks = [r["overflow"] for r in features]
     counted = {"tf_keras": 1, "keras3": 0}[keras]
-    for method in methods_in(keras):
+    for method in feature_methods(keras):
         per_rank = [r[method] for r in ranks]
         for got in per_rank:
             assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
@@ -81,7 +89,7 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
     results = features[0]["clipping"]
     for clip in ("clipnorm", "global_clipnorm"):
         uncompressed = results[f"{clip}/none"]["clipped"]
-        for method in ["none"] + [m for m in methods_in(keras) if m != "sgp"]:
+        for method in ["none"] + [m for m in feature_methods(keras) if m != "sgp"]:
             got = results[f"{clip}/{method}"]
             # Not bit for bit: clip_by_norm rounds g * (1 / |g|) differently.
             assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-3), (clip, method, got)

@@ -28,7 +28,7 @@ from _worker import IdenticalRanks, define_list_of, keras_and_broadcast, report,
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
-METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp"]
+METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp", "fp16"]
 CASES = ["matrix", "overflow", "clipping", "metrics"]
 define_list_of("cases", CASES, CASES, "Cases.")
 define_list_of("rows", ROWS, ROWS, "Matrix rows.")
@@ -39,10 +39,11 @@ BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 
 
 def compression(method):
-    return {"none": hc.Compression.none, "onebit": hc.Compression.onebit(),
+    return {"none": hc.Compression.none, "fp16": hc.Compression.fp16, "onebit": hc.Compression.onebit(),
             "onebit_oneway": hc.Compression.onebit(), "topk": hc.Compression.topk(ratio=0.05),
             "randomk": hc.Compression.randomk(ratio=0.1), "powersgd": hc.Compression.powersgd(rank=2),
-            "sketch": hc.Compression.sketch(ratio=3), "fetchsgd": hc.Compression.sketch(ratio=3, mode="fetchsgd")}[method]
+            "sketch": hc.Compression.sketch(ratio=3),
+            "fetchsgd": hc.Compression.sketch(ratio=3, mode="fetchsgd")}[method]
 
 
 def wrap(sgd, method):
