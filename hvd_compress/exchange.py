@@ -450,7 +450,7 @@ class SharedRandomAllreduce(Exchange):
         indices = self.compressor.indices(self.n, self.k, step.number, self.bucket.index)
         values, _ = self.compressor.encode(parts, indices)
         poisoned = tf.add_n([poison(p) for p in parts])
-        with tf.control_dependencies([values, poisoned]):  # read the parts before they are zeroed in place
+        with tf.control_dependencies([values, poisoned]):  # the parts are free by then: zeroed in place, not copied
             residual = ops.zero_at(parts, indices)
         summed = hvd.allreduce(tf.concat([values, [poisoned]], 0), op=hvd.Sum,
                                process_set=self.bucket.process_set, name=self.bucket.name)

@@ -194,9 +194,10 @@ def top_k_abs(x, k):
 def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov):
     """Error feedback with momentum in front of the compressor, in one pass over float32 g, m, e:
     m_new = momentum * m + g; p = momentum * m_new + g if nesterov else m_new; a = lr * p + e.
+    learning_rate and momentum are float32 scalars (numbers or tensors), nesterov a Python bool.
     Returns (m_new, a), each product and sum rounded as TensorFlow's own ops would round it."""
-    return library().momentum_error_feed(g, m, e, tf.cast(learning_rate, tf.float32),
-                                         momentum=float(momentum), nesterov=bool(nesterov))
+    return library().momentum_error_feed(g, m, e, tf.cast(learning_rate, tf.float32), tf.cast(momentum, tf.float32),
+                                         nesterov=bool(nesterov))
 
 
 def zero_at(parts, indices):

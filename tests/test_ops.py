@@ -66,7 +66,7 @@ def test_compress_gives_the_pack_and_the_residual_of_its_decoding(layout, seed, 
     np.testing.assert_array_equal(scales.numpy(), want_scales.numpy())
     with np.errstate(invalid="ignore"):  # inf - inf
         want_residual = x - ops.block_sign_unpack(bits, scales, n, block_size).numpy()
-    np.testing.assert_array_equal(residual.numpy(), want_residual)
+    np.testing.assert_array_equal(residual.numpy().view(np.uint32), want_residual.view(np.uint32))  # NaNs too
 
 
 @SETTINGS
@@ -337,7 +337,7 @@ def test_ops_have_no_gradient():
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([5]), 0.1, 0.9, False),
      tf.errors.InvalidArgumentError, "one shape"),
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([4]), [0.1, 0.2], 0.9, False),
-     tf.errors.InvalidArgumentError, "lr must be a scalar"),
+     tf.errors.InvalidArgumentError, "lr and momentum must be scalars"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
@@ -385,12 +385,14 @@ def test_more_than_2_pow_31_elements():
 
 def large_input(case, n):
     """Inputs past the size where top_k_abs selects from a sample, built to take each of its paths;
-    its sample is the first 16 of every 4096 elements of the concatenation."""
+    its sample is the first 16 of every 4093 elements of the concatenation."""
     rng = np.random.default_rng(7)
     noise = rng.standard_normal(n).astype(np.float32)
-    sampled = np.arange(n) % 4096 < 16
+    sampled = np.arange(n) % 4093 < 16
     if case == "gaussian":  # more than k above the sample's key: the exact select on those alone
         return noise
+    if case == "rounded":  # the same, with ties at the k-th key among those copied out
+        return np.round(noise * 64) / np.float32(64)
     if case == "ties":  # the sample's key is the k-th largest key: one pass with ties to the lower index
         return sample(n, 1, ties=True).numpy()
     if case == "sample_too_high":  # the sample holds only large values: too few reach its key
@@ -404,20 +406,67 @@ def large_input(case, n):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["gaussian", "ties", "sample_too_high", "sample_too_low", "non_finite"])
+@pytest.mark.parametrize("case", ["gaussian", "rounded", "ties", "sample_too_high", "sample_too_low", "non_finite"])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_top_k_abs_of_large_inputs_matches_numpy(case, dtype):
     """Every way top_k_abs may select on inputs over 2^20 elements (two parts, so its pieces start
-    anywhere), for k = 1% (the sampled select) and k = 20% (the radix select alone)."""
+    anywhere), for k = 0.1% and 1% (the sampled select) and k = 20% (the radix select alone)."""
     n = (1 << 21) + 4096 * 3 + 7
     x = tf.cast(large_input(case, n), DTYPES[dtype])
     parts = [x[:(1 << 20) + 5], x[(1 << 20) + 5:]]
-    for k in (n // 100, n // 5):
+    for k in (n // 1000, n // 100, n // 5):
         values, indices = ops.top_k_abs(parts, k)
         want_values, want_indices = ref.top_k_abs(x.numpy(), k)
         np.testing.assert_array_equal(indices.numpy(), want_indices)
         # as float32: NumPy finds bfloat16's NaNs unequal
         np.testing.assert_array_equal(values.numpy().astype(np.float32), want_values.astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [(1 << 20) - 1, 1 << 20])
+def test_top_k_abs_at_the_sampling_bound(n):
+    x = large_input("rounded", n)
+    for k in (1, n // 100, n // 8, n // 8 + 1):
+        values, indices = ops.top_k_abs(x, k)
+        want_values, want_indices = ref.top_k_abs(x, k)
+        np.testing.assert_array_equal(indices.numpy(), want_indices)
+        np.testing.assert_array_equal(values.numpy(), want_values)
+
+
+def test_top_k_abs_when_exactly_k_keys_lie_above_the_sampled_key():
+    """k large values spread evenly, the rest one small value tied everywhere: the sample's key is the
+    small value and exactly k keys lie above it."""
+    n, k = 1 << 21, 20000
+    x = np.full(n, 0.5, np.float32)
+    x[np.linspace(0, n - 1, k).astype(np.int64)] = np.arange(k, dtype=np.float32) + 1
+    values, indices = ops.top_k_abs(x, k)
+    want_values, want_indices = ref.top_k_abs(x, k)
+    np.testing.assert_array_equal(indices.numpy(), want_indices)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+
+
+def test_fused_ops_write_in_place_as_they_would_into_fresh_buffers():
+    """Inside a tf.function the inputs below are intermediates nothing else holds, so
+    block_sign_compress, momentum_error_feed and zero_at write their outputs into them: the results
+    must be those of fresh buffers."""
+    rng = np.random.default_rng(5)
+    g, m, e = (tf.constant(rng.standard_normal(70001).astype(np.float32)) for _ in range(3))
+    indices = tf.constant([0, 7, 70000], tf.int32)
+
+    @tf.function
+    def fused():
+        _, _, residual = ops.block_sign_compress(g * 1.0)
+        m_new, a = ops.momentum_error_feed(g * 1.0, m, e, 0.3, 0.9, True)
+        return residual, m_new, a, ops.zero_at([g * 1.0], indices)[0]
+
+    residual, m_new, a, zeroed = fused()
+    bits, scales = ops.block_sign_pack(g)
+    np.testing.assert_array_equal(residual.numpy(), g.numpy() - ops.block_sign_unpack(bits, scales, 70001).numpy())
+    want_m = np.float32(0.9) * m.numpy() + g.numpy()
+    np.testing.assert_array_equal(m_new.numpy(), want_m)
+    np.testing.assert_array_equal(a.numpy(), np.float32(0.3) * (np.float32(0.9) * want_m + g.numpy()) + e.numpy())
+    want_zeroed = g.numpy().copy()
+    want_zeroed[indices.numpy()] = 0
+    np.testing.assert_array_equal(zeroed.numpy(), want_zeroed)
 
 
 @SETTINGS
@@ -435,4 +484,8 @@ def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, s
     np.testing.assert_array_equal(a.numpy(), want_a)
     tf_m = momentum * tf.constant(m) + g
     tf_a = lr * (momentum * tf_m + g if nesterov else tf_m) + e
+    np.testing.assert_array_equal(m_new.numpy(), tf_m.numpy())
     np.testing.assert_array_equal(a.numpy(), tf_a.numpy())
+    # momentum as a tensor (a tape's exchange may get one) gives the same bits
+    _, a_of_tensor = ops.momentum_error_feed(tf.constant(g), m, e, lr, tf.constant(momentum), nesterov)
+    np.testing.assert_array_equal(a_of_tensor.numpy(), want_a)

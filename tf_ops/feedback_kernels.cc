@@ -15,7 +15,6 @@ using tensorflow::errors::InvalidArgument;
 class MomentumErrorFeedOp : public OpKernel {
  public:
   explicit MomentumErrorFeedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &momentum_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &nesterov_));
   }
 
@@ -24,11 +23,13 @@ class MomentumErrorFeedOp : public OpKernel {
     const Tensor& m = ctx->input(1);
     const Tensor& e = ctx->input(2);
     const Tensor& lr = ctx->input(3);
+    const Tensor& momentum = ctx->input(4);
     OP_REQUIRES(ctx, g.shape() == m.shape() && g.shape() == e.shape(),
                 InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
                                 m.shape().DebugString(), " and ", e.shape().DebugString()));
-    OP_REQUIRES(ctx, lr.dims() == 0, InvalidArgument("lr must be a scalar, got shape ",
-                                                     lr.shape().DebugString()));
+    OP_REQUIRES(ctx, lr.dims() == 0 && momentum.dims() == 0,
+                InvalidArgument("lr and momentum must be scalars, got shapes ", lr.shape().DebugString(),
+                                " and ", momentum.shape().DebugString()));
     Tensor* m_new = nullptr;
     Tensor* a = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &m_new));
@@ -38,7 +39,7 @@ class MomentumErrorFeedOp : public OpKernel {
     const float* ep = e.flat<float>().data();
     float* m_out = m_new->flat<float>().data();
     float* a_out = a->flat<float>().data();
-    const float rate = lr.scalar<float>()(), mu = momentum_;
+    const float rate = lr.scalar<float>()(), mu = momentum.scalar<float>()();
     const bool nesterov = nesterov_;
     ParallelFor(ctx, NumChunks(g.NumElements()), kChunk * 4, [&](int64_t first, int64_t last) {
       const int64_t end = std::min(last * kChunk, g.NumElements());
@@ -52,7 +53,6 @@ class MomentumErrorFeedOp : public OpKernel {
   }
 
  private:
-  float momentum_;
   bool nesterov_;
 };
 

@@ -15,15 +15,16 @@ REGISTER_OP("MomentumErrorFeed")
     .Input("m: float")
     .Input("e: float")
     .Input("lr: float")
+    .Input("momentum: float")
     .Output("m_new: float")
     .Output("a: float")
-    .Attr("momentum: float")
     .Attr("nesterov: bool")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle shape, unused;
       TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &shape));
       TF_RETURN_IF_ERROR(c->Merge(shape, c->input(2), &shape));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &unused));
       c->set_output(0, shape);
       c->set_output(1, shape);
       return absl::OkStatus();

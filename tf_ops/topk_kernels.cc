@@ -4,12 +4,13 @@
 // defined exactly (the k largest keys, ties to the lower index, in index
 // order), so the way it is found never changes it:
 //  - Usually from a sample. A fixed sample of 1/256 of the elements (the
-//    first 16 of every 4096 of the concatenation) gives a key t that slightly
+//    first 16 of every 4093 of the concatenation: not a power of two, so it
+//    does not line up with the rows of a matrix) gives a key t that slightly
 //    more than k keys should reach. One pass counts, per piece, the keys above
-//    t and equal to it. If t is itself the k-th largest key, one more pass
-//    writes the selection. If more than k (but at most 2k) keys lie above t,
-//    one pass copies those out and the exact select below runs on them alone.
-//    Two reads of x.
+//    t and equal to it. If t is the k-th largest key (or exactly k keys lie
+//    above it), one more pass writes the selection. If more than k (but at
+//    most max(2k, n/32)) keys lie above t, one pass copies those out and the
+//    exact select below runs on them alone. Two reads of x.
 //  - Otherwise (small inputs, large k, a sample that missed, many ties): an
 //    exact two-level radix select. A histogram of the high 16 bits finds the
 //    bin that holds the k-th largest key, a histogram of the low 16 bits
@@ -45,7 +46,7 @@ constexpr int64_t kMinSegment = 1 << 16;
 // The sample: the elements whose index in the concatenation is below
 // kSampleRun modulo kSampleStride.
 constexpr int64_t kSampleRun = 16;
-constexpr int64_t kSampleStride = 4096;
+constexpr int64_t kSampleStride = 4093;
 constexpr int64_t kMinSampled = 1 << 20;  // below this, the radix select alone
 
 // Finds the bin holding the `rank`-th largest element (1-based) given merged
@@ -74,7 +75,7 @@ template <typename T>
 struct Piece {
   const T* data;
   const int32_t* indices;  // each element's index, or null: begin + i
-  int64_t begin;
+  int64_t begin;           // read only when indices is null
   int64_t length;
 
   int32_t IndexOf(int64_t i) const {
@@ -237,11 +238,12 @@ bool SampledSelect(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, in
     total_greater += greater[s];
     total_equal += equal[s];
   }
-  if (total_greater < k && total_greater + total_equal >= k) {  // the threshold is the k-th key
+  // The threshold is the k-th key (ties to the lower index), or exactly k keys lie above it.
+  if (total_greater <= k && total_greater + total_equal >= k) {
     WriteSelection(ctx, pieces, threshold, greater, equal, k - total_greater, values, indices);
     return true;
   }
-  if (total_greater < k || total_greater > 2 * k) return false;
+  if (total_greater < k || total_greater > std::max(2 * k, n / 32)) return false;
   std::vector<T> kept_values(total_greater);
   std::vector<int32_t> kept_indices(total_greater);
   WriteSelection(ctx, pieces, threshold, greater, std::vector<int64_t>(num_pieces, 0), 0,
@@ -427,7 +429,6 @@ class ScatterMeanOp : public OpKernel {
     const PartIndex& where = *where_;
     const int32_t* idx = indices.flat<int32_t>().data();
     const float* v = values.flat<float>().data();
-    OP_REQUIRES_OK(ctx, CheckIndices(idx, k, where.total()));  // before anything is written
     tensorflow::OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
     std::vector<float*> parts;
