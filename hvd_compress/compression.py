@@ -105,9 +105,10 @@ class OneBitCompressor(StatefulCompressor):
         """flat [n] -> (bits uint8[ceil(n/8)], scales float32[B])."""
         return ops.block_sign_pack(flat, bounds=bounds)
 
-    def compress(self, flat, bounds):
+    def encode_with_residual(self, flat, bounds):
         """flat float32 [n] -> ((bits, scales), flat - C(flat)): the payload and the residual it leaves,
-        in one op (the residual as decode and a subtraction would give it, in flat's buffer)."""
+        in one op (the residual as decode and a subtraction would give it, in flat's buffer). Not
+        `compress`, which is Horovod's compressor interface (refused above)."""
         bits, scales, residual = ops.block_sign_compress(flat, bounds=bounds)
         return (bits, scales), residual
 

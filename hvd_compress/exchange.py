@@ -324,7 +324,7 @@ class SignAllgather(Exchange):
 
     def exchange(self, flat, state, step):
         bounds = tf.constant(self.bounds)
-        (bits, scales), residual = self.compressor.compress(flat, bounds)
+        (bits, scales), residual = self.compressor.encode_with_residual(flat, bounds)
         gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.bucket.process_set,
                                  name=self.bucket.name)
         everyone = _split_sign_payloads(gathered, self.bucket.size, self.num_bytes, self.num_blocks)
@@ -379,7 +379,7 @@ class SignTwoWay(Exchange):
 
     def exchange(self, flat, state, step):
         bounds, process_set, name = tf.constant(self.bounds), self.bucket.process_set, self.bucket.name
-        (bits, scales), residual = self.compressor.compress(flat, bounds)
+        (bits, scales), residual = self.compressor.encode_with_residual(flat, bounds)
         payloads = self._shard_payloads(bits, scales)
         received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
                                    process_set=process_set, name=name + ".alltoall")
@@ -388,7 +388,7 @@ class SignTwoWay(Exchange):
         averaged = self.compressor.decode_mean(
             _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
                                  mine["last_block"] - mine["first_block"]), server_bounds)
-        (server_bits, server_scales), server_residual = self.compressor.compress(
+        (server_bits, server_scales), server_residual = self.compressor.encode_with_residual(
             averaged + state["server_residual"], server_bounds)
         gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
                                  process_set=process_set, name=name + ".allgather")
