@@ -211,7 +211,7 @@ class RandomKCompressor(TopKCompressor):
 
     def encode(self, flat, indices):
         """flat [n], or a list of tensors read as their concatenation -> (values at indices, indices)."""
-        return ops.gather_at(flat if isinstance(flat, (list, tuple)) else [flat], indices), indices
+        return ops.gather_at(flat, indices), indices
 
     @staticmethod
     def payload_bytes(k, element_bytes=4):

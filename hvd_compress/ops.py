@@ -208,7 +208,8 @@ def zero_at(parts, indices):
 
 def gather_at(parts, indices):
     """The elements at int32 `indices` of the concatenation of the float32 tensors `parts` (each
-    flattened), read in place."""
+    flattened; one tensor is read as itself), read in place."""
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
     return library().gather_at([tf.reshape(p, [-1]) for p in parts], indices)
 
 

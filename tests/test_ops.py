@@ -246,6 +246,7 @@ def test_top_k_over_parts_zero_at_and_scatter_mean_match_numpy(sizes, data, rank
     np.testing.assert_array_equal(values.numpy(), want_values)
     np.testing.assert_array_equal(indices.numpy(), want_indices)
     np.testing.assert_array_equal(ops.gather_at([tf.constant(p) for p in parts], indices).numpy(), want_values)
+    np.testing.assert_array_equal(ops.gather_at(tf.constant(flat), indices).numpy(), want_values)
     zeroed = ops.zero_at([tf.constant(p) for p in parts], indices)
     np.testing.assert_array_equal(np.concatenate([z.numpy() for z in zeroed]),
                                   flat - ref.scatter_dense(want_indices, want_values, flat.size))

@@ -83,6 +83,18 @@ struct Piece {
   }
 };
 
+// Appends to `pieces` the run of n elements at data (their indices at
+// `indices`, or begin, begin + 1, ... when null) cut into pieces of at most
+// `segment` elements.
+template <typename T>
+void CutRun(const T* data, const int32_t* indices, int64_t begin, int64_t n, int64_t segment,
+            std::vector<Piece<T>>* pieces) {
+  for (int64_t at = 0; at < n; at += segment) {
+    pieces->push_back({data + at, indices == nullptr ? nullptr : indices + at, begin + at,
+                       std::min(segment, n - at)});
+  }
+}
+
 // Cuts the inputs (concatenated in order) into pieces of at most `segment`
 // elements that never cross an input's end.
 template <typename T>
@@ -90,12 +102,8 @@ std::vector<Piece<T>> CutPieces(const tensorflow::OpInputList& xs, int64_t segme
   std::vector<Piece<T>> pieces;
   int64_t begin = 0;
   for (int i = 0; i < xs.size(); ++i) {
-    const T* data = xs[i].flat<T>().data();
-    const int64_t n = xs[i].NumElements();
-    for (int64_t at = 0; at < n; at += segment) {
-      pieces.push_back({data + at, nullptr, begin + at, std::min(segment, n - at)});
-    }
-    begin += n;
+    CutRun(xs[i].flat<T>().data(), nullptr, begin, xs[i].NumElements(), segment, &pieces);
+    begin += xs[i].NumElements();
   }
   return pieces;
 }
@@ -249,11 +257,7 @@ bool SampledSelect(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, in
   WriteSelection(ctx, pieces, threshold, greater, std::vector<int64_t>(num_pieces, 0), 0,
                  kept_values.data(), kept_indices.data());
   std::vector<Piece<T>> kept;
-  const int64_t segment = SegmentFor(total_greater);
-  for (int64_t at = 0; at < total_greater; at += segment) {
-    kept.push_back({kept_values.data() + at, kept_indices.data() + at, 0,
-                    std::min(segment, total_greater - at)});
-  }
+  CutRun(kept_values.data(), kept_indices.data(), 0, total_greater, SegmentFor(total_greater), &kept);
   RadixSelect(ctx, kept, k, values, indices);
   return true;
 }
