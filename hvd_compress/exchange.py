@@ -195,6 +195,9 @@ class DenseAllreduce:
 
 #: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring)
 HALF_CHUNK_BYTES = 1 << 20
+#: HalfAllreduce cuts its buffer into pieces at multiples of this many float16 values (64 bytes), so that
+#: each piece is a slice of the buffer that shares its memory (TensorFlow copies unaligned slices)
+PIECE_ALIGN = 32
 
 
 class HalfAllreduce:
@@ -202,19 +205,21 @@ class HalfAllreduce:
 
     The tensors are fused into buckets of at most fusion_threshold_bytes of float16, each cast
     once, with F16C, into its float16 buffer (ops.half_pack: no float32 concatenation). The
-    bucket is cut into `size` shards (shard_cuts). Alltoalls send shard j of every rank to rank
-    j, which averages them in float32 and rounds the mean to float16 once (ops.half_mean); more
-    alltoalls send every rank's mean shard to every rank, which casts the float16 mean straight
-    into each tensor's own dtype (ops.half_unpack). Per rank and bucket of d values that is
+    buffer is cut into pieces of at most HALF_CHUNK_BYTES per destination, and each piece into
+    `size` shards (shard_cuts). Per piece, an alltoall of the piece (a slice of the buffer, no
+    copy) sends shard j of every rank to rank j, which averages them in float32 and rounds the
+    mean to float16 once (ops.half_mean); a second alltoall sends every rank's mean shard to
+    every rank, which brings back the whole piece's mean, in order. ops.half_unpack casts the
+    pieces straight into each tensor's own dtype. Per rank and bucket of d values that is
     2 (n-1)/n of 2d bytes, as a ring allreduce of float16 moves, but the sum is taken in float32
     (Horovod's fp16 sums in float16 at every hop, and on this CPU at half the speed of a float32
     sum) and every rank decodes the same bits.
 
-    Both phases go as alltoalls of at most HALF_CHUNK_BYTES per destination. Horovod's Gloo
-    alltoall and allgather of one large message ran at half the link's rate in each direction
-    (measured at 1 Gbit/s, 2 ranks: 25 MB each way in 0.42 s, against 0.21 s for the link); in
-    pieces of ~400 kB both directions run at once (0.25 s), at a cost of ~1.5 ms a piece (at 10
-    Gbit/s 0.10 s in 64 pieces against 0.06 s in one).
+    Why pieces: Horovod's Gloo alltoall and allgather of one large message ran at half the
+    link's rate in each direction (measured at 1 Gbit/s, 2 ranks: 25 MB each way in 0.42 s,
+    against 0.21 s for the link); in pieces of ~400 kB both directions run at once (0.25 s), at
+    the cost of Horovod's per-collective work for each piece (docs/design.md measures the piece
+    sizes, and an allgather for the second phase).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
     become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16
@@ -226,38 +231,33 @@ class HalfAllreduce:
         self.scale, self.name = (size if op == hvd.Sum else 1), name
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         self.buckets = fuse_in_order([2 * n for n in sizes], fusion_threshold_bytes)
-        # Per bucket, per piece t: the [begin, end) of every shard that travels in it.
+        # Per bucket: the [begin, end) of every piece, and each piece's shard lengths (rank j owns the j-th).
         self.pieces, self.bytes_sent = [], 0
         for bucket in self.buckets:
-            cuts = shard_cuts(sum(sizes[i] for i in bucket), size)
-            lengths = np.diff(cuts)
-            chunks = max(1, math.ceil(2 * int(lengths.max()) / HALF_CHUNK_BYTES))
-            self.pieces.append([[(int(cuts[j] + lengths[j] * t // chunks),
-                                  int(cuts[j] + lengths[j] * (t + 1) // chunks)) for j in range(size)]
-                                for t in range(chunks)])
-            # Every shard but my own to its owner, then my mean shard to the n - 1 others.
-            mine = 2 * int(lengths[rank])
-            self.bytes_sent += 2 * int(lengths.sum()) - mine + allgather_bytes(mine, size)
-
-    def _alltoall(self, tensor, splits, name):
-        return hvd.alltoall(tensor, splits=splits, process_set=self.process_set, name=name)[0]
+            length = sum(sizes[i] for i in bucket)
+            count = max(1, math.ceil(2 * length / (HALF_CHUNK_BYTES * size)))
+            step = math.ceil(length / count / PIECE_ALIGN) * PIECE_ALIGN
+            pieces = []
+            for begin in range(0, length, step):
+                end = min(length, begin + step)
+                shards = [int(n) for n in np.diff(shard_cuts(end - begin, size))]
+                pieces.append((begin, end, shards))
+                # Every shard but my own to its owner, then my mean shard to the n - 1 others.
+                self.bytes_sent += 2 * (end - begin - shards[rank]) + allgather_bytes(2 * shards[rank], size)
+            self.pieces.append(pieces)
 
     def __call__(self, tensors):
         out = [None] * len(tensors)
-        for b, (bucket, chunks) in enumerate(zip(self.buckets, self.pieces)):
+        for b, (bucket, pieces) in enumerate(zip(self.buckets, self.pieces)):
             packed = ops.half_pack([tensors[i] for i in bucket])
-            by_shard = [[] for _ in range(self.size)]  # the mean of shard j, piece by piece
-            for t, pieces in enumerate(chunks):
-                lengths = [end - begin for begin, end in pieces]
-                received = self._alltoall(tf.concat([packed[begin:end] for begin, end in pieces], 0), lengths,
-                                          f"{self.name}.{b}.{t}.scatter")
-                mean = ops.half_mean(tf.reshape(received, [self.size, lengths[self.rank]]))
-                everyone = self._alltoall(tf.tile(mean, [self.size]), [lengths[self.rank]] * self.size,
-                                          f"{self.name}.{b}.{t}.gather")
-                for j, piece in enumerate(tf.split(everyone, lengths)):
-                    by_shard[j].append(piece)
-            gathered = tf.concat([piece for pieces in by_shard for piece in pieces], 0)
-            unpacked = ops.half_unpack(gathered, [self.shapes[i] for i in bucket], [self.dtypes[i] for i in bucket])
+            means = []  # every piece's mean, gathered from its shards' owners, in order
+            for t, (begin, end, shards) in enumerate(pieces):
+                received = hvd.alltoall(tf.slice(packed, [begin], [end - begin]), splits=shards,
+                                        process_set=self.process_set, name=f"{self.name}.{b}.{t}.scatter")[0]
+                mean = ops.half_mean(tf.reshape(received, [self.size, shards[self.rank]]))
+                means.append(hvd.alltoall(tf.tile(mean, [self.size]), splits=[shards[self.rank]] * self.size,
+                                          process_set=self.process_set, name=f"{self.name}.{b}.{t}.gather")[0])
+            unpacked = ops.half_unpack(means, [self.shapes[i] for i in bucket], [self.dtypes[i] for i in bucket])
             for i, y in zip(bucket, unpacked):
                 out[i] = y * self.scale if self.scale != 1 else y
         return out

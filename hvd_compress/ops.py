@@ -138,8 +138,8 @@ def block_sign_pack(x, block_size=None, bounds=None):
 
 def block_sign_compress(x, block_size=None, bounds=None):
     """block_sign_pack of float32 x [n] and the error-feedback residual x - C(x) in one op:
-    (bits, scales, residual), the residual exactly x - block_sign_unpack(bits, scales), written
-    in x's buffer when nothing else holds it."""
+    (bits, scales, residual), the residual exactly x - block_sign_unpack(bits, scales) (a NaN's sign
+    bit aside), written in x's buffer when nothing else holds it."""
     x = tf.convert_to_tensor(x)
     return library().block_sign_compress(x, _bounds(_static_size(x), block_size, bounds))
 
@@ -244,10 +244,12 @@ def half_mean(rows):
 
 
 def half_unpack(packed, shapes, dtypes):
-    """Inverse of half_pack: the float16 vector cut into tensors of these shapes and dtypes
-    (float16 -> float32 is exact)."""
+    """Inverse of half_pack: the float16 vector (or a list of float16 vectors, taken as one in order,
+    with no concatenation made) cut into tensors of these shapes and dtypes (float16 -> float32 is
+    exact)."""
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    flat = library().half_unpack(packed, sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
+    pieces = list(packed) if isinstance(packed, (list, tuple)) else [packed]
+    flat = library().half_unpack(pieces, sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
     return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
 
 

@@ -64,31 +64,35 @@ void Convert(const From* x, To* y, int64_t n) {
 }
 
 // Converts between the parts (each of dtype dtypes[i]) and the flat float16
-// buffer, chunk by chunk on TF's thread pool. to_half: parts -> flat.
+// buffer, itself in pieces (flats[j] holds flat_where's piece j), chunk by chunk
+// on TF's thread pool. to_half: parts -> flat.
 void ConvertParts(OpKernelContext* ctx, const PartIndex& where,
                   const std::vector<tensorflow::DataType>& dtypes, const std::vector<void*>& parts,
-                  Half* flat, bool to_half) {
+                  const PartIndex& flat_where, const std::vector<Half*>& flats, bool to_half) {
   const int64_t total = where.total();
   ParallelFor(ctx, NumChunks(total), kChunk * 2, [&](int64_t first, int64_t last) {
     where.ForEachPartIn(first * kChunk, std::min(total, last * kChunk),
                         [&](int64_t part, int64_t offset, int64_t at, int64_t length) {
-      Half* h = flat + at;
-      switch (dtypes[part]) {
-        case tensorflow::DT_FLOAT: {
-          float* p = static_cast<float*>(parts[part]) + offset;
-          to_half ? Convert(p, h, length) : Convert(h, p, length);
-          break;
+      flat_where.ForEachPartIn(at, at + length, [&](int64_t piece, int64_t piece_offset, int64_t at2, int64_t n) {
+        Half* h = flats[piece] + piece_offset;
+        const int64_t o = offset + (at2 - at);
+        switch (dtypes[part]) {
+          case tensorflow::DT_FLOAT: {
+            float* p = static_cast<float*>(parts[part]) + o;
+            to_half ? Convert(p, h, n) : Convert(h, p, n);
+            break;
+          }
+          case tensorflow::DT_HALF: {
+            Half* p = static_cast<Half*>(parts[part]) + o;
+            to_half ? Convert(p, h, n) : Convert(h, p, n);
+            break;
+          }
+          default: {  // DT_BFLOAT16 (the ops' type constraints allow no other)
+            bfloat16* p = static_cast<bfloat16*>(parts[part]) + o;
+            to_half ? Convert(p, h, n) : Convert(h, p, n);
+          }
         }
-        case tensorflow::DT_HALF: {
-          Half* p = static_cast<Half*>(parts[part]) + offset;
-          to_half ? Convert(p, h, length) : Convert(h, p, length);
-          break;
-        }
-        default: {  // DT_BFLOAT16 (the ops' type constraints allow no other)
-          bfloat16* p = static_cast<bfloat16*>(parts[part]) + offset;
-          to_half ? Convert(p, h, length) : Convert(h, p, length);
-        }
-      }
+      });
     });
   });
 }
@@ -113,7 +117,8 @@ class HalfPackOp : public OpKernel {
     const PartIndex where(sizes);
     Tensor* packed = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({where.total()}), &packed));
-    ConvertParts(ctx, where, dtypes, parts, packed->flat<Half>().data(), /*to_half=*/true);
+    ConvertParts(ctx, where, dtypes, parts, PartIndex({where.total()}), {packed->flat<Half>().data()},
+                 /*to_half=*/true);
   }
 };
 
@@ -130,10 +135,20 @@ class HalfUnpackOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& packed = ctx->input(0);
-    OP_REQUIRES(ctx, packed.dims() == 1 && packed.NumElements() == where_->total(),
-                InvalidArgument("packed must be a vector of sum(sizes) = ", where_->total(),
-                                " float16 values, got shape ", packed.shape().DebugString()));
+    OpInputList packed;
+    OP_REQUIRES_OK(ctx, ctx->input_list("packed", &packed));
+    std::vector<int64_t> lengths;
+    std::vector<Half*> flats;
+    for (int j = 0; j < packed.size(); ++j) {
+      OP_REQUIRES(ctx, packed[j].dims() == 1,
+                  InvalidArgument("packed[", j, "] must be a vector, got shape ", packed[j].shape().DebugString()));
+      lengths.push_back(packed[j].NumElements());
+      flats.push_back(const_cast<Half*>(packed[j].flat<Half>().data()));
+    }
+    const PartIndex flat_where(lengths);
+    OP_REQUIRES(ctx, flat_where.total() == where_->total(),
+                InvalidArgument("packed must hold sum(sizes) = ", where_->total(), " float16 values in all, got ",
+                                flat_where.total()));
     OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
     std::vector<void*> parts;
@@ -142,8 +157,7 @@ class HalfUnpackOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ys.allocate(i, TensorShape({sizes_[i]}), &y));
       parts.push_back(const_cast<char*>(y->tensor_data().data()));
     }
-    ConvertParts(ctx, *where_, dtypes_, parts, const_cast<Half*>(packed.flat<Half>().data()),
-                 /*to_half=*/false);
+    ConvertParts(ctx, *where_, dtypes_, parts, flat_where, flats, /*to_half=*/false);
   }
 
  private:

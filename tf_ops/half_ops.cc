@@ -49,14 +49,16 @@ divided by count in float32, rounded to float16 once.
 )doc");
 
 REGISTER_OP("HalfUnpack")
-    .Input("packed: half")
+    .Input("packed: N * half")
+    .Attr("N: int >= 1")
     .Output("ys: T")
     .Attr("sizes: list(int) >= 1")
     .Attr("T: list({float, half, bfloat16}) >= 1")
     .SetShapeFn(VectorsOfSizes)
     .Doc(R"doc(
-Inverse of HalfPack: packed [sum(sizes)] float16 cut into vectors of `sizes`
-elements, each converted to its dtype in T (float16 to float32 is exact;
+Inverse of HalfPack: the float16 vectors `packed`, taken as one vector of
+sum(sizes) values in order (e.g. the pieces a collective brought back), cut into
+vectors of `sizes` elements, each converted to its dtype in T (float16 to float32 is exact;
 to bfloat16 rounds to nearest even).
 )doc");
 
