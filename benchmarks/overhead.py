@@ -96,7 +96,7 @@ STATE_SCOPE = "hc_state_update"
 OP_EVENT = re.compile(r"([^:\s]+):(\w+)")  # a synchronous op: "node/name:Type"
 ASYNC_START, ASYNC_DONE = "ExecutorState::ProcessAsync::Start", "ExecutorState::ProcessAsync::Done"
 
-flags.DEFINE_integer("profile_steps", 10, "Profiled steps (after the timed ones) for the phases.")
+flags.DEFINE_integer("profile_steps", 10, "Profiled steps (after the timed ones) for the phases.", lower_bound=1)
 flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter-op: always 1).")
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
 flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (fp32, fp16) run its "
