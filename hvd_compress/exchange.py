@@ -28,7 +28,6 @@ any rank's input makes the affected part of everybody's update non-finite
 (the sign scales and the top-k selection do this by construction; random-k
 adds a one-float "poison" sum), so no rank silently applies a finite update.
 """
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -194,11 +193,8 @@ class DenseAllreduce:
         return [tf.cast(s, t.dtype) for s, t in zip(summed, tensors)]
 
 
-#: HalfAllreduce's piece sizes, per destination, that it tries in turn; it keeps the one whose steps were fastest
-HALF_PIECE_BYTES = (1 << 20, 1 << 23)
-#: Its tuning: the first TUNE_AFTER steps use the first size, then TUNE_ROUNDS rounds of steps try each size in turn;
-#: the first round is not timed (a size's first use negotiates new collectives and grows TCP's buffers)
-TUNE_AFTER, TUNE_ROUNDS = 1, 3
+#: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring)
+HALF_CHUNK_BYTES = 1 << 20
 #: HalfAllreduce cuts its buffer into pieces at multiples of this many float16 values (64 bytes), so that
 #: each piece is a slice of the buffer that shares its memory (TensorFlow copies unaligned slices)
 PIECE_ALIGN = 32
@@ -209,26 +205,21 @@ class HalfAllreduce:
 
     The tensors are fused into buckets of at most fusion_threshold_bytes of float16, each cast
     once, with F16C, into its float16 buffer (ops.half_pack: no float32 concatenation). The
-    buffer is cut into pieces (below), and each piece into `size` shards (shard_cuts). Per
-    piece, an alltoall of the piece (a slice of the buffer, no copy) sends shard j of every rank
-    to rank j, which averages them in float32 and rounds the mean to float16 once
-    (ops.half_mean); a second alltoall sends every rank's mean shard to every rank, which brings
-    back the whole piece's mean, in order. ops.half_unpack casts the pieces straight into each
-    tensor's own dtype. Per rank and bucket of d values that is 2 (n-1)/n of 2d bytes, as a ring
-    allreduce of float16 moves, but the sum is taken in float32 (Horovod's fp16 sums in float16
-    at every hop, and on this CPU at half the speed of a float32 sum) and every rank decodes the
-    same bits.
+    buffer is cut into pieces of at most HALF_CHUNK_BYTES per destination, and each piece into
+    `size` shards (shard_cuts). Per piece, an alltoall of the piece (a slice of the buffer, no
+    copy) sends shard j of every rank to rank j, which averages them in float32 and rounds the
+    mean to float16 once (ops.half_mean); a second alltoall sends every rank's mean shard to
+    every rank, which brings back the whole piece's mean, in order. ops.half_unpack casts the
+    pieces straight into each tensor's own dtype. Per rank and bucket of d values that is
+    2 (n-1)/n of 2d bytes, as a ring allreduce of float16 moves, but the sum is taken in float32
+    (Horovod's fp16 sums in float16 at every hop, and on this CPU at half the speed of a float32
+    sum) and every rank decodes the same bits.
 
     Why pieces: Horovod's Gloo alltoall and allgather of one large message ran at half the
     link's rate in each direction (measured at 1 Gbit/s, 2 ranks: 25 MB each way in 0.42 s,
-    against 0.21 s for the link); in pieces of ~1 MB both directions run at once, at the cost of
-    Horovod's per-collective work for each piece, which shows on a fast link. So the piece size
-    follows the link: the exchange is built for every size in HALF_PIECE_BYTES (per bucket, one
-    branch of a tf.switch_case per size), the steps after the first TUNE_AFTER try each size in
-    turn for TUNE_ROUNDS rounds, timing each step of the rounds after the first from the start
-    of this exchange to the start of the next, and then every rank takes the size whose mean
-    time over the ranks (one allreduce) was least, so all ranks agree. The bits never depend on
-    the size (each value's mean is taken alone). docs/design.md has the measurements.
+    against 0.21 s for the link); in pieces of ~400 kB both directions run at once (0.25 s), at
+    the cost of Horovod's per-collective work for each piece (docs/design.md measures the piece
+    sizes, and an allgather for the second phase).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
     become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16
@@ -240,78 +231,34 @@ class HalfAllreduce:
         self.scale, self.name = (size if op == hvd.Sum else 1), name
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         self.buckets = fuse_in_order([2 * n for n in sizes], fusion_threshold_bytes)
-        lengths = [sum(sizes[i] for i in bucket) for bucket in self.buckets]
-        # Per distinct cut (small buckets cut alike at every size), per bucket: its pieces.
-        self.plans = []
-        for piece_bytes in HALF_PIECE_BYTES:
-            plan = [self._pieces(length, piece_bytes) for length in lengths]
-            if plan not in self.plans:
-                self.plans.append(plan)
-        # Every shard but my own to its owner, then my mean shard to the n - 1 others (the same at every size).
-        self.bytes_sent = sum(2 * (end - begin - shards[rank]) + allgather_bytes(2 * shards[rank], size)
-                              for pieces in self.plans[0] for begin, end, shards in pieces)
-        self.tuning = None
-        if len(self.plans) > 1:
-            with tf.init_scope():  # not model or optimizer state: every run tunes afresh
-                self.tuning = {"steps": tf.Variable(0, dtype=tf.int64, trainable=False, name="half_tuning_steps"),
-                               "last": tf.Variable(0.0, dtype=tf.float64, trainable=False, name="half_tuning_last"),
-                               "seconds": tf.Variable(tf.zeros([len(self.plans)], tf.float64), trainable=False,
-                                                      name="half_tuning_seconds"),
-                               "choice": tf.Variable(0, trainable=False, name="half_tuning_choice")}
-
-    def _pieces(self, length, piece_bytes):
-        """The pieces of a buffer of `length` values, at most piece_bytes per destination: (begin, end, the
-        lengths of its shards), rank j owning the j-th shard."""
-        count = max(1, math.ceil(2 * length / (piece_bytes * self.size)))
-        step = math.ceil(length / count / PIECE_ALIGN) * PIECE_ALIGN
-        bounds = [(begin, min(length, begin + step)) for begin in range(0, length, step)]
-        return [(begin, end, [int(n) for n in np.diff(shard_cuts(end - begin, self.size))]) for begin, end in bounds]
-
-    def choice(self):
-        """The plan this step uses: int32, the same on every rank. Books the step that just ended to the
-        plan it tried, and at the end of the tuning takes the plan whose mean time over the ranks was least."""
-        tuning, count = self.tuning, len(self.plans)
-        step, now = tuning["steps"].read_value(), tf.timestamp()
-        end = TUNE_AFTER + TUNE_ROUNDS * count
-        tried = tf.logical_and(step - 1 >= TUNE_AFTER + count, step - 1 < end)
-        tuning["seconds"].assign_add(tf.one_hot((step - 1 - TUNE_AFTER) % count, count, dtype=tf.float64)
-                                     * tf.cast(tried, tf.float64) * (now - tuning["last"]))
-        tuning["last"].assign(now)
-        tuning["steps"].assign_add(1)
-
-        def decide():
-            mean = hvd.allreduce(tuning["seconds"].read_value(), op=hvd.Average, process_set=self.process_set,
-                                 name=f"{self.name}.tuning")
-            tuning["choice"].assign(tf.cast(tf.argmin(mean), tf.int32))
-            return tuning["choice"].read_value()
-
-        kept = tf.cond(tf.equal(step, end), decide, tuning["choice"].read_value)
-        trying = tf.cast(tf.maximum(step - TUNE_AFTER, 0) % count, tf.int32)
-        return tf.where(step < end, trying, kept)
-
-    def _exchange(self, tensors, b, p):
-        """Bucket b's exchange, cut as plan p says: the mean of each of its tensors, in the tensor's dtype."""
-        bucket = self.buckets[b]
-        packed = ops.half_pack([tensors[i] for i in bucket])
-        means = []  # every piece's mean, gathered from its shards' owners, in order
-        for t, (begin, end, shards) in enumerate(self.plans[p][b]):
-            received = hvd.alltoall(tf.slice(packed, [begin], [end - begin]), splits=shards,
-                                    process_set=self.process_set, name=f"{self.name}.{b}.{p}.{t}.scatter")[0]
-            mean = ops.half_mean(tf.reshape(received, [self.size, shards[self.rank]]))
-            means.append(hvd.alltoall(tf.tile(mean, [self.size]), splits=[shards[self.rank]] * self.size,
-                                      process_set=self.process_set, name=f"{self.name}.{b}.{p}.{t}.gather")[0])
-        return ops.half_unpack(means, [self.shapes[i] for i in bucket], [self.dtypes[i] for i in bucket])
+        # Per bucket: the [begin, end) of every piece, and each piece's shard lengths (rank j owns the j-th).
+        self.pieces, self.bytes_sent = [], 0
+        for bucket in self.buckets:
+            length = sum(sizes[i] for i in bucket)
+            count = max(1, math.ceil(2 * length / (HALF_CHUNK_BYTES * size)))
+            step = math.ceil(length / count / PIECE_ALIGN) * PIECE_ALIGN
+            pieces = []
+            for begin in range(0, length, step):
+                end = min(length, begin + step)
+                shards = [int(n) for n in np.diff(shard_cuts(end - begin, size))]
+                pieces.append((begin, end, shards))
+                # Every shard but my own to its owner, then my mean shard to the n - 1 others.
+                self.bytes_sent += 2 * (end - begin - shards[rank]) + allgather_bytes(2 * shards[rank], size)
+            self.pieces.append(pieces)
 
     def __call__(self, tensors):
         out = [None] * len(tensors)
-        choice = None if self.tuning is None else self.choice()
-        for b, bucket in enumerate(self.buckets):
-            if choice is None:
-                means = self._exchange(tensors, b, 0)
-            else:
-                means = tf.switch_case(choice, [functools.partial(self._exchange, tensors, b, p)
-                                                for p in range(len(self.plans))])
-            for i, y in zip(bucket, means):
+        for b, (bucket, pieces) in enumerate(zip(self.buckets, self.pieces)):
+            packed = ops.half_pack([tensors[i] for i in bucket])
+            means = []  # every piece's mean, gathered from its shards' owners, in order
+            for t, (begin, end, shards) in enumerate(pieces):
+                received = hvd.alltoall(tf.slice(packed, [begin], [end - begin]), splits=shards,
+                                        process_set=self.process_set, name=f"{self.name}.{b}.{t}.scatter")[0]
+                mean = ops.half_mean(tf.reshape(received, [self.size, shards[self.rank]]))
+                means.append(hvd.alltoall(tf.tile(mean, [self.size]), splits=[shards[self.rank]] * self.size,
+                                          process_set=self.process_set, name=f"{self.name}.{b}.{t}.gather")[0])
+            unpacked = ops.half_unpack(means, [self.shapes[i] for i in bucket], [self.dtypes[i] for i in bucket])
+            for i, y in zip(bucket, unpacked):
                 out[i] = y * self.scale if self.scale != 1 else y
         return out
 

@@ -80,22 +80,6 @@ def test_topk_round_trip_and_payload_size():
     assert topk.payload_bytes(2) == sum(int(tf.size(p)) * p.dtype.size for p in payload)
 
 
-@pytest.mark.parametrize("seconds, kept", [([5.0, 1.0], 1), ([1.0, 5.0], 0)])
-def test_the_16_bit_exchange_tries_each_piece_size_then_keeps_the_fastest(monkeypatch, seconds, kept):
-    """HalfAllreduce's tuning: the first step uses the first size, then TUNE_ROUNDS rounds try each in turn (the
-    rounds after the first timed), then it keeps the size whose steps took least (planted just before the choice)."""
-    monkeypatch.setattr(exchange, "HALF_PIECE_BYTES", (256, 1 << 20))
-    half = exchange.HalfAllreduce([(1000,)], [tf.float32], 0, 1, hvd.global_process_set, hvd.Average, 1 << 26, "t")
-    assert [len(plan[0]) for plan in half.plans] == [8, 1]  # 2000 bytes: 8 pieces of at most 256, or one
-    end = exchange.TUNE_AFTER + exchange.TUNE_ROUNDS * 2
-    assert [int(half.choice()) for _ in range(end)] == [0] * exchange.TUNE_AFTER + [0, 1] * exchange.TUNE_ROUNDS
-    assert np.all(half.tuning["seconds"].numpy() > 0)  # each tried step booked to its size
-    half.tuning["seconds"].assign(seconds)
-    assert [int(half.choice()) for _ in range(3)] == [kept] * 3
-    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    np.testing.assert_array_equal(half([tf.constant(x)])[0].numpy(), x.astype(np.float16).astype(np.float32))
-
-
 def test_ring_and_allgather_byte_models():
     assert exchange.allreduce_bytes(1000, 1) == 0
     assert exchange.allreduce_bytes(1000, 2) == 1000

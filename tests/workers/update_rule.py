@@ -27,8 +27,8 @@ def grads_of(rank, step):
     return (rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(DENSE).astype(np.float32))
 
 
-def run(compression, two_way, nesterov, process_set, optimizer=False):
-    """Trains the two variables with hc; returns the final values (and the optimizer if asked)."""
+def run(compression, two_way, nesterov, process_set):
+    """Trains the two variables with hc; returns the final values."""
     keras = tf.keras  # tf_keras or Keras 3: TF_USE_LEGACY_KERAS decides
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
@@ -46,7 +46,7 @@ def run(compression, two_way, nesterov, process_set, optimizer=False):
     layout = opt.compression_exchange.layout
     # Compression.fp16 compresses nothing: its 16-bit exchange is the one of uncompressed tensors.
     assert (layout.compressed, layout.dense) == (([], [0, 1]) if compression is hc.Compression.fp16 else ([0], [1]))
-    return (w.numpy().reshape(-1), b.numpy()) + ((opt,) if optimizer else ())
+    return w.numpy().reshape(-1), b.numpy()
 
 
 def reference_dense(nesterov, size, variable=1, mean=lambda gs: np.mean(gs, axis=0, dtype=np.float32)):
@@ -196,23 +196,15 @@ def check_world(process_set, digests):
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    # The buffer in one piece; in pieces of 256 bytes; and tuned between the two (the steps try each in turn, then
-    # every rank keeps the same one): the bits never depend on the pieces.
-    for piece_bytes in (exchange.HALF_PIECE_BYTES, (256,), (256, 1 << 20)):
-        default = exchange.HALF_PIECE_BYTES, exchange.TUNE_ROUNDS
-        exchange.HALF_PIECE_BYTES, exchange.TUNE_ROUNDS = piece_bytes, 2  # the choice made by step 5
-        w, b, opt = run(hc.Compression.fp16, True, True, process_set, optimizer=True)  # every tensor in 16 bits
-        exchange.HALF_PIECE_BYTES, exchange.TUNE_ROUNDS = default
+    for chunk_bytes in (exchange.HALF_CHUNK_BYTES, 256):  # the buffer in one piece, and in pieces of 256 bytes
+        exchange.HALF_CHUNK_BYTES, default = chunk_bytes, exchange.HALF_CHUNK_BYTES
+        w, b = run(hc.Compression.fp16, True, True, process_set)  # every tensor by the 16-bit exchange
+        exchange.HALF_CHUNK_BYTES = default
         for got, variable in ((w, 0), (b, 1)):
             np.testing.assert_allclose(got, reference_dense(True, size, variable, ref.half_mean), rtol=1e-5,
-                                       atol=1e-6, err_msg=f"n={size} fp16 variable {variable}, {piece_bytes} B pieces")
+                                       atol=1e-6, err_msg=f"n={size} fp16 variable {variable}, {chunk_bytes} B pieces")
         assert not np.allclose(w, reference_dense(True, size, 0), rtol=1e-5, atol=1e-6)  # float16's rounding shows
-        tuning = opt.compression_exchange.dense_exchange.tuning
-        assert (tuning is None) == (len(piece_bytes) == 1 or piece_bytes == exchange.HALF_PIECE_BYTES), piece_bytes
-        chosen = "-" if tuning is None else int(tuning["choice"].numpy())
-        if tuning is not None:  # steps 1-4 tried each size twice (timing the second), every rank took the same
-            assert int(tuning["steps"].numpy()) == FLAGS.steps and np.all(tuning["seconds"].numpy() > 0), tuning
-        digests[f"{size}/fp16 {piece_bytes} chose {chosen}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+        digests[f"{size}/fp16 {chunk_bytes}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
     sketches = {  # every candidate's exact sum (momentum masked or kept); the exact top-k among them; the
         # sketch's top-k; FetchSGD
         "sketch second_round=True": hc.Compression.sketch(ratio=6, seed=5),
