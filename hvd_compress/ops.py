@@ -114,6 +114,11 @@ def block_bounds(sizes, block_size=None):
     return tf.concat([starts, tf.reshape(n, [1])], axis=0)
 
 
+def _tensors(x):
+    """The ops that read several tensors as one take a tensor or a list of them: always a list."""
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
 def _bounds(n, block_size, bounds):
     return block_bounds(n, block_size) if bounds is None else tf.convert_to_tensor(bounds, tf.int64)
 
@@ -179,7 +184,7 @@ def top_k_abs(x, k):
     Returns (values, int32 indices) in increasing index order; among equal
     magnitudes the lower index wins and NaN counts as the largest magnitude.
     """
-    xs = [tf.convert_to_tensor(t) for t in (x if isinstance(x, (list, tuple)) else [x])]
+    xs = [tf.convert_to_tensor(t) for t in _tensors(x)]
     for t in xs:
         check_float(t, "x")
     sizes = [t.shape.num_elements() for t in xs]
@@ -209,8 +214,7 @@ def zero_at(parts, indices):
 def gather_at(parts, indices):
     """The elements at int32 `indices` of the concatenation of the float32 tensors `parts` (each
     flattened; one tensor is read as itself), read in place."""
-    parts = parts if isinstance(parts, (list, tuple)) else [parts]
-    return library().gather_at([tf.reshape(p, [-1]) for p in parts], indices)
+    return library().gather_at([tf.reshape(p, [-1]) for p in _tensors(parts)], indices)
 
 
 def scatter_mean(indices, values, shapes, count):
@@ -248,8 +252,7 @@ def half_unpack(packed, shapes, dtypes):
     with no concatenation made) cut into tensors of these shapes and dtypes (float16 -> float32 is
     exact)."""
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    pieces = list(packed) if isinstance(packed, (list, tuple)) else [packed]
-    flat = library().half_unpack(pieces, sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
+    flat = library().half_unpack(_tensors(packed), sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
     return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
 
 

@@ -73,9 +73,9 @@ void ConvertParts(OpKernelContext* ctx, const PartIndex& where,
   ParallelFor(ctx, NumChunks(total), kChunk * 2, [&](int64_t first, int64_t last) {
     where.ForEachPartIn(first * kChunk, std::min(total, last * kChunk),
                         [&](int64_t part, int64_t offset, int64_t at, int64_t length) {
-      flat_where.ForEachPartIn(at, at + length, [&](int64_t piece, int64_t piece_offset, int64_t at2, int64_t n) {
+      flat_where.ForEachPartIn(at, at + length, [&](int64_t piece, int64_t piece_offset, int64_t piece_at, int64_t n) {
         Half* h = flats[piece] + piece_offset;
-        const int64_t o = offset + (at2 - at);
+        const int64_t o = offset + (piece_at - at);  // the same element's offset in the part
         switch (dtypes[part]) {
           case tensorflow::DT_FLOAT: {
             float* p = static_cast<float*>(parts[part]) + o;
