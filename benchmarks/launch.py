@@ -86,7 +86,7 @@ def run_example(script, ranks, flags, timeout=1200):
 
 
 # -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------
-def run_in_namespaces(net, argv, timeout, what):
+def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
     """Runs `argv --result=<file>` as every rank of net (a netns.Network), each in its own namespace;
     returns the JSON each rank wrote to its file, ordered by rank.
 
@@ -94,7 +94,9 @@ def run_in_namespaces(net, argv, timeout, what):
     reach it at net.server_address), gives each rank the HOROVOD_* variables that horovodrun's Gloo
     launcher would (horovod.runner.gloo_run.create_run_env_vars and create_slot_env_vars), and
     starts it with net.command(rank, ...). Every rank gets an equal share of the CPU cores for
-    TensorFlow's intra-op threads. All ranks are killed at the first failure or after `timeout`
+    TensorFlow's intra-op threads, and `inter_op_threads` threads to run independent ops at once
+    (with one, TensorFlow runs the backward pass to its end before any exchange op: docs/design.md,
+    "Buckets and overlap"). All ranks are killed at the first failure or after `timeout`
     seconds, and the error carries the end of their logs; `what` names the job in it.
     """
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
@@ -114,7 +116,7 @@ def run_in_namespaces(net, argv, timeout, what):
                 env = dict(os.environ, **create_run_env_vars(net.server_address, [net.iface], port),
                            **create_slot_env_vars(slot))
                 env.update(TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
-                           TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                           TF_NUM_INTEROP_THREADS=str(inter_op_threads), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                            TF_CPP_MIN_LOG_LEVEL="2")
                 env = {k: str(v) for k, v in env.items()}
                 with open(tmp / f"rank{slot.rank}.log", "w") as log:

@@ -99,6 +99,8 @@ flags.DEFINE_bool("slow_start_after_idle", True, "Linux's default; false sets "
                   "net.ipv4.tcp_slow_start_after_idle=0 in the ranks' namespaces (see netns.py).")
 flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, to measure Horovod's "
                    "own control traffic.")
+flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads per rank; 2 lets the last layers' exchange "
+                     "start during the backward pass (docs/design.md, \"Buckets and overlap\").", lower_bound=1)
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
 flags.DEFINE_string("out", "results/wire.json", "launcher: the rows' JSON.")
@@ -219,6 +221,7 @@ def worker():
     params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
     pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
+        inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
         step_ms=1000 * statistics.median(times), accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
         control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second
@@ -231,7 +234,8 @@ def run_job(net, model, method):
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
-    return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.num_ranks} ranks")
+    return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.num_ranks} ranks",
+                                    inter_op_threads=FLAGS.inter_op_threads)
 
 
 def summarize(rate, model, method, ranks):
@@ -255,7 +259,7 @@ def summarize(rate, model, method, ranks):
         wire_vs_accounted=statistics.fmean(payload) / accounted - 1,
         control_vs_accounted_est=statistics.fmean(control) / accounted,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
-        slow_start_after_idle=FLAGS.slow_start_after_idle, per_rank=ranks)
+        slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads, per_rank=ranks)
 
 
 def print_table(rate, rows):
@@ -279,6 +283,7 @@ def command_line():
     return launch.command_line(__file__, rates=FLAGS.rates, ranks=FLAGS.ranks, models=FLAGS.models,
                                methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
                                batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
+                               inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, timeout=FLAGS.timeout,
                                out=FLAGS.out)
 
@@ -309,7 +314,8 @@ def main(_):
     params = sorted({(r["model"], r["params"]) for r in rows})
     print(f"\nParameters: {', '.join(f'{model} {count:,}' for model, count in params)}. "
           f"Batch {FLAGS.batch_size} per rank, {FLAGS.steps} timed steps after {FLAGS.warmup}, "
-          f"{os.cpu_count()} CPU cores shared by the ranks, TCP slow start after idle "
+          f"{os.cpu_count()} CPU cores shared by the ranks, {FLAGS.inter_op_threads} TensorFlow inter-op "
+          f"thread(s) per rank, TCP slow start after idle "
           f"{'on (Linux default)' if FLAGS.slow_start_after_idle else 'off'}; {quiet}.")
     print(f"\nReproduce with:\n    {command_line()}")
     results.save(FLAGS.out, rows)

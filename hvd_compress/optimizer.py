@@ -68,7 +68,7 @@ from hvd_compress.sketch import SketchCompressor
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
-DEFAULT_FUSION_THRESHOLD_BYTES = 16 << 20  # several buckets: the last layers' exchange overlaps backward
+DEFAULT_FUSION_THRESHOLD_BYTES = 16 << 20  # several buckets: one is decoded while the next are on the wire
 log = logging.getLogger("hvd_compress")
 
 

@@ -30,7 +30,8 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "wire.json"
     cmd = [sys.executable, str(BENCHMARKS / "wire.py"), "--rates=1gbit", "--ranks=2", "--models=mlp4m",
-           "--methods=fp32,onebit,hc_fp16", "--steps=5", "--warmup=2", "--idle_s=1", "--timeout=200", f"--out={out}"]
+           "--methods=fp32,onebit,hc_fp16", "--steps=5", "--warmup=2", "--idle_s=1", "--timeout=200",
+           "--inter_op_threads=2", f"--out={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), start_new_session=True)
     try:
@@ -50,6 +51,7 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     assert set(rows) == {"fp32", "onebit", "hc_fp16"}
     for method, r in rows.items():
         assert r["ranks"] == 2 and [p["hostname"] for p in r["per_rank"]] == ["hc-ns0", "hc-ns1"]
+        assert [p["inter_op_threads"] for p in r["per_rank"]] == [2, 2]
         # TCP payload on the veth (headers taken off per packet) vs what the exchange says it sends, less
         # Horovod's own control traffic (its idle rate times the step time): the exchange does not send it,
         # and slower steps carry more of it. On onebit's 0.5 MB a step it was +2.6% on a quiet machine,
