@@ -218,8 +218,8 @@ class HalfAllreduce:
     Why pieces: Horovod's Gloo alltoall and allgather of one large message ran at half the
     link's rate in each direction (measured at 1 Gbit/s, 2 ranks: 25 MB each way in 0.42 s,
     against 0.21 s for the link); in pieces of ~400 kB both directions run at once (0.25 s), at
-    the cost of Horovod's per-collective work for each piece. 512 KiB per destination was the
-    fastest size at 1 Gbit/s and cost nothing at 10 Gbit/s (docs/design.md measures the piece
+    the cost of Horovod's per-collective work for each piece. 384-512 KiB per destination were the
+    fastest sizes at 1 Gbit/s, and 512 KiB cost nothing at 10 Gbit/s (docs/design.md measures the piece
     sizes, and an allgather for the second phase).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
