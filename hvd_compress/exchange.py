@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
+import horovod
 import horovod.tensorflow as hvd
 from hvd_compress import ops
 from hvd_compress.compression import (FP16Compressor, OneBitCompressor, PowerSGDCompressor,
@@ -193,8 +194,9 @@ class DenseAllreduce:
         return [tf.cast(s, t.dtype) for s, t in zip(summed, tensors)]
 
 
-#: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring)
-HALF_CHUNK_BYTES = 1 << 19
+#: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring): 4 MiB where Gloo's
+#: alltoall posts its receives before its sends (Horovod built with patches/horovod-0.28.1.patch), else 512 KiB
+HALF_CHUNK_BYTES = 4 << 20 if getattr(horovod, "gloo_receives_first", False) else 1 << 19
 #: HalfAllreduce cuts its buffer into pieces at multiples of this many float16 values (64 bytes), so that
 #: each piece is a slice of the buffer that shares its memory (TensorFlow copies unaligned slices)
 PIECE_ALIGN = 32
@@ -215,12 +217,14 @@ class HalfAllreduce:
     (Horovod's fp16 sums in float16 at every hop, and on this CPU at half the speed of a float32
     sum) and every rank decodes the same bits.
 
-    Why pieces: Horovod's Gloo alltoall and allgather of one large message ran at half the
-    link's rate in each direction (measured at 1 Gbit/s, 2 ranks: 25 MB each way in 0.42 s,
-    against 0.21 s for the link); in pieces of ~400 kB both directions run at once (0.25 s), at
-    the cost of Horovod's per-collective work for each piece. 384-512 KiB per destination were the
-    fastest sizes at 1 Gbit/s, and 512 KiB cost nothing at 10 Gbit/s (docs/design.md measures the piece
-    sizes, and an allgather for the second phase).
+    Why pieces, and their size: each piece costs Horovod's per-collective work (about 1 ms at
+    10 Gbit/s), so larger pieces are faster there, but stock Gloo's alltoall posts its send before
+    its receive: when one rank is ahead, the other's notice that it is ready to receive queues
+    behind its own payload, and the two directions take turns (half the link's rate; 4 MiB pieces
+    cost 840 ms a step at 1 Gbit/s against 600 for 512 KiB). Horovod built with this project's
+    patch posts receives first, and 4 MiB pieces then run at the link's rate in both directions;
+    with stock Horovod the pieces are 512 KiB, the fastest size there at 1 Gbit/s
+    (docs/design.md, "Compression.fp16", measures the sizes).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
     become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16

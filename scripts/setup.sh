@@ -54,25 +54,31 @@ step "Pinned Python packages (${REQUIREMENTS})"
 
 step "Horovod ${HOROVOD_VERSION} with TensorFlow, Gloo and MPI (built from source with ${HOROVOD_PATCH}, 3-6 minutes the first time)"
 # Built against this environment's TensorFlow: rebuilt when its ops no longer load (another
-# TensorFlow) or it lacks the patch.
+# TensorFlow) or it was built with another version of the patch (the patch's SHA-256, kept
+# beside the installed package).
+PATCH_SHA256=$(sha256sum "${HOROVOD_PATCH}" | cut -d' ' -f1)
 HOROVOD_CHECK='import horovod, horovod.tensorflow as hvd, pathlib, sys
-patched = "hvd_compress patch" in (pathlib.Path(horovod.__file__).parent / "tensorflow/keras/__init__.py").read_text()
+stamp = pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256"
+patched = stamp.exists() and stamp.read_text().strip() == sys.argv[2]
 sys.exit(not (horovod.__version__ == sys.argv[1] and patched and hvd.gloo_built() and hvd.mpi_built()))'
-if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" >/dev/null 2>&1; then
+if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" "${PATCH_SHA256}" >/dev/null 2>&1; then
   SRC=$(mktemp -d)
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
     -d "${SRC}" "horovod==${HOROVOD_VERSION}"
   echo "${HOROVOD_SHA256}  ${SRC}/horovod-${HOROVOD_VERSION}.tar.gz" | sha256sum -c --quiet - || {
     echo "!! horovod-${HOROVOD_VERSION}.tar.gz does not have the pinned checksum ${HOROVOD_SHA256}." >&2; exit 1; }
   tar -xzf "${SRC}/horovod-${HOROVOD_VERSION}.tar.gz" -C "${SRC}"
-  # The patch: XLA includes only in GPU builds (TensorFlow 2.19+ moved them), and Horovod's Keras
-  # callbacks take the backend of tf.keras (tf_keras), not of `import keras` (Keras 3).
+  # The patch: XLA includes only in GPU builds (TensorFlow 2.19+ moved them), Horovod's Keras
+  # callbacks take the backend of tf.keras (tf_keras), not of `import keras` (Keras 3), and Gloo's
+  # alltoall posts its receives before its sends (both directions of a large alltoall at once).
   patch -d "${SRC}/horovod-${HOROVOD_VERSION}" -p1 --forward --quiet < "${HOROVOD_PATCH}" || {
     echo "!! ${HOROVOD_PATCH} does not apply to horovod ${HOROVOD_VERSION}'s source in ${SRC}." >&2; exit 1; }
   # Gloo's CMakeLists predates CMake 4; this keeps a newer cmake working too.
   CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
     "${PIP[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps "${SRC}/horovod-${HOROVOD_VERSION}"
+  "$PY" -c 'import pathlib, sys, horovod
+(pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256").write_text(sys.argv[1])' "${PATCH_SHA256}"
   rm -rf "${SRC}"
 fi
 

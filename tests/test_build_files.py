@@ -23,3 +23,19 @@ def test_setup_builds_the_library_the_package_loads():
     assert ops.LIBRARY_PATH.name == f"_tf_ops-tf{tf.__version__}.so"  # one per TensorFlow
     assert ops.LIBRARY_PATH.exists()
     assert '"hvd_compress._tf_ops"' in (ROOT / "setup.py").read_text()
+
+
+def test_horovod_is_built_with_this_checkouts_patch():
+    """scripts/setup.sh stamps the patch's SHA-256 beside the Horovod it built (and rebuilds when
+    the patch changes); with the patch, Gloo posts receives first and Compression.fp16 sends 4 MiB
+    pieces (exchange.HALF_CHUNK_BYTES)."""
+    import hashlib
+
+    import horovod
+    from hvd_compress import exchange
+
+    stamp = pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256"
+    patch = ROOT / "patches" / "horovod-0.28.1.patch"
+    assert stamp.read_text().strip() == hashlib.sha256(patch.read_bytes()).hexdigest()
+    assert horovod.gloo_receives_first is True
+    assert exchange.HALF_CHUNK_BYTES == 4 << 20

@@ -11,6 +11,13 @@ def test_allgathered_sign_payloads_decode_to_the_numpy_mean(launcher, np):
     assert all(r["digests"] == results[0]["digests"] for r in results)  # every rank decodes the same
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_gloo_alltoall_and_allgather_of_uneven_sizes_match_numpy(np):
+    """The Gloo collectives our Horovod patch reorders (receives before sends), odd world included."""
+    results = run_ranks("uneven_collectives.py", np=np)
+    assert [(r["size"], r["checked"]) for r in results] == [(np, [3, 300_001])] * np
+
+
 def test_a_hung_rank_fails_fast_with_its_output():
     with pytest.raises(pytest.fail.Exception, match="timed out after 20s"):
         run_ranks("hang.py", np=2, timeout=20)
