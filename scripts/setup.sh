@@ -70,7 +70,7 @@ if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" "${
   tar -xzf "${SRC}/horovod-${HOROVOD_VERSION}.tar.gz" -C "${SRC}"
   # The patch: XLA includes only in GPU builds (TensorFlow 2.19+ moved them), Horovod's Keras
   # callbacks take the backend of tf.keras (tf_keras), not of `import keras` (Keras 3), and Gloo's
-  # alltoall posts its receives before its sends (both directions of a large alltoall at once).
+  # alltoall and allgather post their receives before their sends (both directions at once).
   patch -d "${SRC}/horovod-${HOROVOD_VERSION}" -p1 --forward --quiet < "${HOROVOD_PATCH}" || {
     echo "!! ${HOROVOD_PATCH} does not apply to horovod ${HOROVOD_VERSION}'s source in ${SRC}." >&2; exit 1; }
   # Gloo's CMakeLists predates CMake 4; this keeps a newer cmake working too.
