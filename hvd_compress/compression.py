@@ -117,10 +117,10 @@ class OneBitCompressor(StatefulCompressor):
         bits, scales = payload
         return ops.block_sign_unpack(bits, scales, None, bounds=bounds, dtype=dtype)
 
-    def decode_mean(self, payloads, bounds, dtype=tf.float32):
-        """Mean of stacked payloads (as allgathered) -> dtype[n], fused."""
+    def decode_mean(self, payloads, bounds, dtype=tf.float32, plus=None):
+        """Mean of stacked payloads (as allgathered) -> dtype[n], fused (+ float32 plus, in the same pass)."""
         bits, scales = payloads
-        return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype)
+        return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype, plus=plus)
 
     @staticmethod
     def payload_bytes(num_elements, num_blocks):

@@ -155,19 +155,20 @@ def block_sign_unpack(bits, scales, n, block_size=None, bounds=None, dtype=tf.fl
     return _with_static_length(result, n)
 
 
-def block_sign_unpack_mean(bits, scales, n, block_size=None, bounds=None, dtype=tf.float32):
+def block_sign_unpack_mean(bits, scales, n, block_size=None, bounds=None, dtype=tf.float32, plus=None):
     """Mean of m payloads decoded in one pass, dtype[n].
 
     bits: uint8[m, ceil(n/8)] and scales: float32[m, B], or the same stacked
     flat, as `hvd.allgather` returns them. Summed in float32 in payload order,
-    then divided by m; never materializes m dense tensors.
+    then divided by m; never materializes m dense tensors. plus (float32 [n]):
+    added to the mean in the same pass, as a separate float32 add would.
     """
     bounds = _bounds(n, block_size, bounds)
     num_blocks = tf.size(bounds, out_type=tf.int64) - 1
     scales = tf.reshape(scales, [-1, num_blocks]) if scales.shape.rank == 1 else scales
     if bits.shape.rank == 1:
         bits = tf.reshape(bits, tf.stack([tf.shape(scales, out_type=tf.int64)[0], -1]))
-    result = library().block_sign_unpack_mean(bits, scales, bounds, T=dtype)
+    result = library().block_sign_unpack_mean(bits, scales, bounds, [] if plus is None else [plus], T=dtype)
     return _with_static_length(result, n)
 
 

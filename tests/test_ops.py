@@ -105,6 +105,19 @@ def test_unpack_mean_matches_numpy(layout, ranks, seed):
     # The flat concatenation that hvd.allgather returns decodes the same.
     flat = ops.block_sign_unpack_mean(tf.reshape(bits, [-1]), tf.reshape(scales, [-1]), n, block_size)
     np.testing.assert_array_equal(flat.numpy(), want)
+    # plus= adds in the same pass exactly what a separate float32 add gives (two-way's server: mean + e_s).
+    plus = sample(n, seed + 1000)
+    np.testing.assert_array_equal(ops.block_sign_unpack_mean(bits, scales, n, block_size, plus=plus).numpy(),
+                                  want + plus.numpy())
+
+
+def test_unpack_mean_refuses_a_plus_of_another_size():
+    bits, scales = ops.block_sign_pack(tf.ones([16]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="plus must be at most one float32 tensor of 16 "):
+        ops.block_sign_unpack_mean(bits[None], scales[None], 16, plus=tf.ones([15]))
+    traced = tf.function(lambda b, s, p: ops.block_sign_unpack_mean(b, s, 16, plus=p))
+    with pytest.raises(ValueError, match="Dimension 0 in both shapes must be equal, but are 15 and 16"):
+        traced.get_concrete_function(bits[None], scales[None], tf.TensorSpec([15], tf.float32))
 
 
 def test_bit_order_is_lsb_first_and_zero_is_positive():

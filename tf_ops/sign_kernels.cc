@@ -8,7 +8,6 @@
 #include <immintrin.h>
 #endif
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -122,25 +121,46 @@ inline float SignedScale(uint32_t scale_bits, uint32_t mask) {
   return f;
 }
 
-// out[i] (= or +=) +-scale for i in [begin, end), sign from bit i of bits.
+// out[i] = +-scale for i in [begin, end), sign from bit i of bits.
 // Branch-free, eight elements per packed byte in the aligned middle.
-template <bool kAccumulate>
-void DecodeSigns(const uint8_t* bits, float scale, int64_t begin, int64_t end,
-                 float* out) {
+template <typename T>
+void DecodeSigns(const uint8_t* bits, float scale, int64_t begin, int64_t end, T* out) {
   uint32_t scale_bits;
   std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
   auto one = [&](int64_t i) {
-    const float v = SignedScale(scale_bits, kSignMasks.m[bits[i >> 3]][i & 7]);
-    out[i] = kAccumulate ? out[i] + v : v;
+    out[i] = static_cast<T>(SignedScale(scale_bits, kSignMasks.m[bits[i >> 3]][i & 7]));
   };
   int64_t i = begin;
   for (; i < end && (i & 7) != 0; ++i) one(i);
   for (; i + 8 <= end; i += 8) {
     const uint32_t* mask = kSignMasks.m[bits[i >> 3]];
-    for (int l = 0; l < 8; ++l) {
-      const float v = SignedScale(scale_bits, mask[l]);
-      out[i + l] = kAccumulate ? out[i + l] + v : v;
+    for (int l = 0; l < 8; ++l) out[i + l] = static_cast<T>(SignedScale(scale_bits, mask[l]));
+  }
+  for (; i < end; ++i) one(i);
+}
+
+// out[i] = (sum over payloads r of +-scale_r, from 0 in payload order) / count (+ plus[i]
+// with kPlus) for i in [begin, end); payload r's bits start at bits + r * num_bytes.
+// The sums stay in registers, eight elements at a time, so each element is written once.
+template <typename T, bool kPlus>
+void DecodeMean(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m, float count,
+                const float* __restrict plus, int64_t begin, int64_t end, T* __restrict out) {
+  auto one = [&](int64_t i) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < m; ++r) {
+      sum += SignedScale(scale_bits[r], kSignMasks.m[bits[r * num_bytes + (i >> 3)]][i & 7]);
     }
+    out[i] = static_cast<T>(kPlus ? sum / count + plus[i] : sum / count);
+  };
+  int64_t i = begin;
+  for (; i < end && (i & 7) != 0; ++i) one(i);
+  for (; i + 8 <= end; i += 8) {
+    float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t r = 0; r < m; ++r) {
+      const uint32_t* mask = kSignMasks.m[bits[r * num_bytes + (i >> 3)]];
+      for (int l = 0; l < 8; ++l) sum[l] += SignedScale(scale_bits[r], mask[l]);
+    }
+    for (int l = 0; l < 8; ++l) out[i + l] = static_cast<T>(kPlus ? sum[l] / count + plus[i + l] : sum[l] / count);
   }
   for (; i < end; ++i) one(i);
 }
@@ -268,6 +288,11 @@ class BlockSignUnpackOp : public OpKernel {
                                 " and ", scales_tensor.shape().DebugString()));
     OP_REQUIRES(ctx, m > 0,
                 InvalidArgument("block_sign_unpack_mean needs at least one payload"));
+    const int num_plus = ctx->num_inputs() - 3;
+    OP_REQUIRES(ctx, num_plus <= 1 && (num_plus == 0 || ctx->input(3).NumElements() == n),
+                InvalidArgument("plus must be at most one float32 tensor of ", n, " elements, got ", num_plus,
+                                num_plus ? " of shape " + ctx->input(3).shape().DebugString() : ""));
+    const float* plus = num_plus ? ctx->input(3).flat<float>().data() : nullptr;
 
     Tensor* y_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y_tensor));
@@ -277,27 +302,19 @@ class BlockSignUnpackOp : public OpKernel {
     T* y = y_tensor->flat<T>().data();
     const float count = static_cast<float>(m);
 
-    // float32 output of a single payload is written in place; otherwise a
-    // per-chunk float32 accumulator is converted (and divided by m) at the end.
-    constexpr bool kDirect = !kMean && std::is_same<T, float>::value;
     ParallelFor(ctx, NumChunks(n), kChunk * (1 + m), [&](int64_t first, int64_t last) {
-      std::vector<float> acc(kDirect ? 0 : kChunk);
+      std::vector<uint32_t> scale_bits(m);
       for (int64_t c = first; c < last; ++c) {
         const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-        float* out = kDirect ? reinterpret_cast<float*>(y) : acc.data() - lo;
-        if (kMean) std::fill(out + lo, out + hi, 0.0f);
-        ForEachPieceInChunk(
-            bounds, num_blocks, lo, hi,
-            [&](int64_t b, int64_t begin, int64_t end) {
-              for (int64_t r = 0; r < m; ++r) {
-                DecodeSigns<kMean>(bits + r * num_bytes,
-                                   scales[r * num_blocks + b], begin, end, out);
-              }
-            });
-        if (kDirect) continue;
-        for (int64_t i = lo; i < hi; ++i) {
-          y[i] = static_cast<T>(kMean ? out[i] / count : out[i]);
-        }
+        ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+          if constexpr (!kMean) {
+            DecodeSigns(bits, scales[b], begin, end, y);
+          } else {
+            for (int64_t r = 0; r < m; ++r) std::memcpy(&scale_bits[r], &scales[r * num_blocks + b], 4);
+            (plus ? DecodeMean<T, true> : DecodeMean<T, false>)(bits, num_bytes, scale_bits.data(), m, count, plus,
+                                                                 begin, end, y);
+          }
+        });
       }
     });
   }

@@ -112,13 +112,24 @@ REGISTER_OP("BlockSignUnpackMean")
     .Input("bits: uint8")
     .Input("scales: float")
     .Input("bounds: int64")
+    .Input("plus: N * float")
     .Output("y: T")
     .Attr("T: {float, half, bfloat16} = DT_FLOAT")
-    .SetShapeFn([](InferenceContext* c) { return UnpackShape(c, 2); })
+    .Attr("N: int >= 0 = 0")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(UnpackShape(c, 2));
+      for (int i = 3; i < c->num_inputs(); ++i) {
+        ShapeHandle plus;
+        TF_RETURN_IF_ERROR(c->Merge(c->input(i), c->output(0), &plus));
+      }
+      return absl::OkStatus();
+    })
     .Doc(R"doc(
 Mean of m stacked payloads (what an allgather returns), decoded in one pass
 without materializing m dense tensors: bits uint8[m, ceil(n/8)],
-scales float32[m, B]. Summed in float32 in payload order, then divided by m.
+scales float32[m, B]. Summed in float32 in payload order, then divided by m;
+with plus (at most one float32[n]) the sum's mean + plus, added in float32
+before the cast to T (for float32, what a separate add would give).
 )doc");
 
 }  // namespace hvd_compress
