@@ -39,3 +39,15 @@ def test_horovod_is_built_with_this_checkouts_patch():
     assert stamp.read_text().strip() == hashlib.sha256(patch.read_bytes()).hexdigest()
     assert horovod.gloo_receives_first is True
     assert exchange.HALF_CHUNK_BYTES == 4 << 20
+
+
+def test_a_horovod_without_the_patch_gets_small_fp16_pieces():
+    """Stock Gloo sends before it receives, so large pieces take turns on a slow link (docs/design.md,
+    "Compression.fp16"): without the patch's flag the exchange falls back to 512 KiB pieces."""
+    import subprocess
+    import sys
+
+    code = ("import horovod; del horovod.gloo_receives_first; "
+            "from hvd_compress import exchange; print(exchange.HALF_CHUNK_BYTES)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) == 512 << 10
