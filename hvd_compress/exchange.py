@@ -390,11 +390,12 @@ class SignTwoWay(Exchange):
                                    process_set=process_set, name=name + ".alltoall")
         mine = self.shards[self.bucket.rank]
         server_bounds = tf.constant(self.server_bounds)
-        averaged = self.compressor.decode_mean(  # A_j = mean + e_s, in one pass
+        error_fed_mean = self.compressor.decode_mean(  # A_j = mean + e_s, in one pass
             _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
                                  mine["last_block"] - mine["first_block"]), server_bounds,
             plus=state["server_residual"])
-        (server_bits, server_scales), server_residual = self.compressor.encode_with_residual(averaged, server_bounds)
+        (server_bits, server_scales), server_residual = self.compressor.encode_with_residual(
+            error_fed_mean, server_bounds)
         gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
                                  process_set=process_set, name=name + ".allgather")
         all_bits, all_scales, offset = [], [], 0

@@ -302,6 +302,7 @@ class BlockSignUnpackOp : public OpKernel {
     T* y = y_tensor->flat<T>().data();
     const float count = static_cast<float>(m);
 
+    const auto decode_mean = plus ? DecodeMean<T, true> : DecodeMean<T, false>;
     ParallelFor(ctx, NumChunks(n), kChunk * (1 + m), [&](int64_t first, int64_t last) {
       std::vector<uint32_t> scale_bits(m);
       for (int64_t c = first; c < last; ++c) {
@@ -311,8 +312,7 @@ class BlockSignUnpackOp : public OpKernel {
             DecodeSigns(bits, scales[b], begin, end, y);
           } else {
             for (int64_t r = 0; r < m; ++r) std::memcpy(&scale_bits[r], &scales[r * num_blocks + b], 4);
-            (plus ? DecodeMean<T, true> : DecodeMean<T, false>)(bits, num_bytes, scale_bits.data(), m, count, plus,
-                                                                 begin, end, y);
+            decode_mean(bits, num_bytes, scale_bits.data(), m, count, plus, begin, end, y);
           }
         });
       }
