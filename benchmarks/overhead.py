@@ -89,7 +89,7 @@ import wire  # noqa: E402
 
 PHASES = ["compute", "encode", "collective", "decode", "apply"]
 BASELINE = "sgd"  # the bare Keras optimizer
-DEFAULT_METHODS = [BASELINE, "fp32", "fp16", "hc_fp16", "onebit", "topk", "randomk", "sketch", "powersgd"]
+DEFAULT_METHODS = [BASELINE, "fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "topk", "randomk", "sketch", "powersgd"]
 COLLECTIVE = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Alltoall|Broadcast|Reducescatter)")
 EXCHANGE_SCOPE = re.compile(r"(hc_exchange|Distributed\w*_Allreduce)(_\d+)?")
 STATE_SCOPE = "hc_state_update"

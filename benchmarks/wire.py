@@ -51,7 +51,8 @@ Prints one markdown table per rate, the command that reproduces it, and
 writes every row (per-rank figures included) to --out.
 
 Methods (make_optimizer): fp32 and fp16 are Horovod's own
-horovod.tensorflow.keras.DistributedOptimizer; hc_fp16 (hvd_compress's own 16-bit exchange), onebit,
+horovod.tensorflow.keras.DistributedOptimizer; hc_fp32 (Horovod's fp32 allreduce in hc.DistributedOptimizer,
+whose wrapped SGD updates in fused kernels, as in every hc row), hc_fp16 (hvd_compress's own 16-bit exchange), onebit,
 onebit_oneway, topk,
 randomk, sketch (ratio 4), fetchsgd (ratio 4), topk_4x (top-k at their bytes on 2
 ranks, 1/8 of the coordinates) and powersgd are hc.DistributedOptimizer; sgp is
@@ -80,9 +81,8 @@ import results  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # make_optimizer's table:
-METHODS = ["fp32", "fp16", "hc_fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "fetchsgd", "topk_4x",
-           "powersgd",
-           "sgp", "accordion_critical", "accordion_calm"]
+METHODS = ["fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "fetchsgd",
+           "topk_4x", "powersgd", "sgp", "accordion_critical", "accordion_calm"]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 MODELS = [*MLPS, "digits_cnn"]
@@ -138,6 +138,9 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer):
     table = {
         "fp32": (lambda: hvd.DistributedOptimizer(base_optimizer), ring(4)),
         "fp16": (lambda: hvd.DistributedOptimizer(base_optimizer, compression=hvd.Compression.fp16), ring(2)),
+        # Horovod's fp32 allreduce through hvd_compress's wrapper: its only difference from fp32 is the
+        # wrapped SGD's update in TensorFlow's fused kernels (keras_compat.fused_sgd_update), as every hc row has.
+        "hc_fp32": (distributed(compression=hc.Compression.none), ring(4)),
         # hvd_compress's own 16-bit exchange: fused F16C casts, each shard summed in float32 by its owner.
         "hc_fp16": (distributed(compression=hc.Compression.fp16), hc_exchange),
         "onebit": (distributed(compression=hc.Compression.onebit(), two_way=True), hc_exchange),

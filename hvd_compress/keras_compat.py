@@ -90,6 +90,33 @@ def wrapper_class(optimizer, core):
     return type(base.__name__, (entry, core, base), {"__module__": base.__module__})
 
 
+def fused_sgd_update(optimizer, gradient, variable, learning_rate, momentum_slot):
+    """SGD's update of a float32 variable by a dense float32 gradient in TensorFlow's fused kernels;
+    returns False, having done nothing, for other optimizers, dtypes and sparse gradients.
+
+    Keras's SGD.update_step, in either Keras (lr: the learning rate, mu: the momentum, m: its slot):
+        m = mu m - lr g;   x = x + (mu m - lr g) (Nesterov) or x + m;   without momentum x = x - lr g
+    runs every product, sum and assignment as its own TensorFlow op, a pass over the variable each
+    (about 90 ms a step for the 25M MLP on one core). ResourceApplyKerasMomentum and
+    ResourceApplyGradientDescent compute the same float32 products and sums, each rounded alike,
+    in two passes and one: the same bits (tests/test_keras_features.py compares them with the
+    unwrapped optimizer). momentum_slot() gives m, or None where the optimizer keeps none.
+    """
+    dense_float32 = (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
+                     and tf.as_dtype(variable.dtype) == tf.float32)
+    if not (dense_float32 and isinstance(optimizer, sgd_classes())):
+        return False
+    learning_rate = tf.cast(learning_rate, tf.float32)
+    m = momentum_slot()
+    if m is None:
+        tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=learning_rate, delta=gradient)
+    else:
+        tf.raw_ops.ResourceApplyKerasMomentum(var=variable.handle, accum=m.handle, lr=learning_rate, grad=gradient,
+                                              momentum=tf.cast(optimizer.momentum, tf.float32),
+                                              use_nesterov=bool(optimizer.nesterov))
+    return True
+
+
 class TfKerasEntry:
     """How tf_keras's model.fit and LossScaleOptimizer reach a wrapper."""
 
@@ -112,6 +139,12 @@ class TfKerasEntry:
         self._compute_current_learning_rate()
         return self.learning_rate
 
+    def update_step(self, gradient, variable):
+        """The wrapped optimizer's update of one variable: SGD's in one fused kernel where it can."""
+        if not fused_sgd_update(self, gradient, variable, self.learning_rate,
+                                lambda: self.momentums[self._index_dict[self._var_key(variable)]]):
+            super().update_step(gradient, variable)
+
 
 class Keras3Entry:
     """How Keras 3's model.fit (through apply_gradients) and LossScaleOptimizer reach a wrapper."""
@@ -128,6 +161,12 @@ class Keras3Entry:
 
     def _hc_learning_rate(self):
         return self.learning_rate
+
+    def update_step(self, gradient, variable, learning_rate):
+        """The wrapped optimizer's update of one variable: SGD's in one fused kernel where it can."""
+        if not fused_sgd_update(self, gradient, variable, learning_rate,
+                                lambda: self.momentums[self._get_variable_index(variable)] if self.momentum else None):
+            super().update_step(gradient, variable, learning_rate)
 
     def load_own_variables(self, store):
         """Loading a .keras or .weights.h5 file: the replicated state is in it, the per-rank state

@@ -157,3 +157,22 @@ def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horo
     assert results["onebit"]["loss_scale_optimizer"] == "LossScaleOptimizerV3"
     assert results["onebit"]["test_accuracy"] >= results["horovod_fp16"]["test_accuracy"] - 0.01, results
     assert results["onebit"]["bytes_per_step"] < results["horovod_fp16"]["bytes_per_step"] / 8, results
+
+
+def test_sgd_in_the_wrapper_updates_bit_for_bit_like_the_unwrapped_keras_sgd(keras):
+    """workers/sgd_update.py, 2 ranks: hc.DistributedOptimizer(SGD) applies SGD's update in
+    TensorFlow's fused kernels, and every weight and momentum equals, bit for bit after every
+    step, the unwrapped Keras SGD given Horovod's mean of the same gradients. float16 variables
+    keep Keras's own update."""
+    fused = {"nesterov, schedule": ["ResourceApplyKerasMomentum"], "momentum": ["ResourceApplyKerasMomentum"],
+             "weight decay": ["ResourceApplyKerasMomentum"], "float16 variables": [],
+             # Keras 3 keeps no momentum slot without momentum; tf_keras keeps one (at momentum 0)
+             "no momentum": {"tf_keras": ["ResourceApplyKerasMomentum"],
+                             "keras3": ["ResourceApplyGradientDescent"]}[keras]}
+    ranks = [r["results"] for r in run_ranks("sgd_update.py", np=2, env=KERASES[keras])]
+    for case, ops in fused.items():
+        for got in ranks:
+            assert got[case]["identical"] == [True] * 6, (case, got[case])
+            assert got[case]["fused_ops"] == ops, (case, got[case])
+            assert got[case]["moved"] > 1e-3 and got[case]["iterations"] == 6, (case, got[case])
+        assert ranks[0][case]["slots"] == {"no momentum": 0 if keras == "keras3" else 4}.get(case, 4)
