@@ -1,6 +1,6 @@
 """Wall-clock time to a test accuracy on a real shaped link: N ranks, each in its own network namespace.
 
-    sudo .venv/bin/python benchmarks/time_to_accuracy.py           # 1gbit,10gbit x 2,4 ranks, 6 methods
+    sudo .venv/bin/python benchmarks/time_to_accuracy.py           # 1gbit,10gbit x 2,4 ranks, 7 methods
     .venv/bin/python benchmarks/time_to_accuracy.py --rates=10gbit --ranks=2 --methods=fp32,onebit --epochs=2
 
 Needs root (it exits with status 2 and says why otherwise). The network and
@@ -9,8 +9,10 @@ netns.Network(N, rate) gives rank i its own namespace and a veth shaped to the
 rate in both directions, and launch.run_in_namespaces starts the ranks through
 Horovod's RendezvousServer with a hard timeout per job (--timeout). The
 methods are wire.make_optimizer's (fp32 and fp16 are Horovod's own
-DistributedOptimizer; hc_fp16, onebit (two-way), topk (1%) and powersgd (rank
-4) hvd_compress's). Flags this script shares with wire.py (--rates, --ranks,
+DistributedOptimizer; hc_fp32 (the same fp32 allreduce in hvd_compress's
+wrapper, whose SGD update runs in fused kernels, as in every hc method: it
+separates that from what compression buys), hc_fp16, onebit (two-way), topk
+(1%) and powersgd (rank 4) hvd_compress's). Flags this script shares with wire.py (--rates, --ranks,
 --methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
@@ -90,7 +92,7 @@ import results  # noqa: E402
 import wire  # noqa: E402  (defines the flags shared with it)
 
 flags.FLAGS.set_default("rates", ["1gbit", "10gbit"])
-flags.FLAGS.set_default("methods", ["fp32", "fp16", "hc_fp16", "onebit", "topk", "powersgd"])
+flags.FLAGS.set_default("methods", ["fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "topk", "powersgd"])
 flags.FLAGS.set_default("timeout", 1800)
 flags.FLAGS.set_default("out", "results/time_to_accuracy.json")
 flags.DEFINE_list("layers", ["64", "4096", "4096", "1024", "10"], "The MLP's widths, the 64 pixels first, "

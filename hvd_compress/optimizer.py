@@ -46,7 +46,9 @@ Update rules:
 - Everything else (onebit or sketch under Adam etc., top-k, random-k, PowerSGD): plain error
   feedback on gradients, a_i = g_i + e_i, D_i = C(a_i), e_i = a_i - D_i, and
   the mean D (server-compressed again for two-way onebit) is handed to the
-  wrapped optimizer as the gradient, which applies its own momentum.
+  wrapped optimizer as the gradient, which applies its own momentum (Keras
+  SGD's update in TensorFlow's fused kernels, the same bits:
+  keras_compat.fused_sgd_update).
   Top-k sends (values, int32 indices) by allgather; random-k sends values at
   coordinates every rank draws alike, by allreduce. Both select over a whole
   bucket (global top-k within a bucket, not per layer).
