@@ -90,9 +90,11 @@ def wrapper_class(optimizer, core):
     return type(base.__name__, (entry, core, base), {"__module__": base.__module__})
 
 
-def fused_sgd_update(optimizer, gradient, variable, learning_rate, momentum_slot):
+def fused_sgd_update(optimizer, own_update, gradient, variable, learning_rate, momentum_slot):
     """SGD's update of a float32 variable by a dense float32 gradient in TensorFlow's fused kernels;
-    returns False, having done nothing, for other optimizers, dtypes and sparse gradients.
+    returns False, having done nothing, where `own_update` (the wrapped class's bound update_step)
+    is not Keras SGD's own (another optimizer, or a subclass of SGD that overrides it), and for
+    other dtypes and sparse gradients.
 
     Keras's SGD.update_step, in either Keras (lr: the learning rate, mu: the momentum, m: its slot):
         m = mu m - lr g;   x = x + (mu m - lr g) (Nesterov) or x + m;   without momentum x = x - lr g
@@ -104,7 +106,8 @@ def fused_sgd_update(optimizer, gradient, variable, learning_rate, momentum_slot
     """
     dense_float32 = (isinstance(gradient, tf.Tensor) and gradient.dtype == tf.float32
                      and tf.as_dtype(variable.dtype) == tf.float32)
-    if not (dense_float32 and isinstance(optimizer, sgd_classes())):
+    keras_sgd_update = getattr(own_update, "__func__", None) in {sgd.update_step for sgd in sgd_classes()}
+    if not (dense_float32 and keras_sgd_update):
         return False
     learning_rate = tf.cast(learning_rate, tf.float32)
     m = momentum_slot()
@@ -141,7 +144,7 @@ class TfKerasEntry:
 
     def update_step(self, gradient, variable):
         """The wrapped optimizer's update of one variable: SGD's in one fused kernel where it can."""
-        if not fused_sgd_update(self, gradient, variable, self.learning_rate,
+        if not fused_sgd_update(self, super().update_step, gradient, variable, self.learning_rate,
                                 lambda: self.momentums[self._index_dict[self._var_key(variable)]]):
             super().update_step(gradient, variable)
 
@@ -164,7 +167,7 @@ class Keras3Entry:
 
     def update_step(self, gradient, variable, learning_rate):
         """The wrapped optimizer's update of one variable: SGD's in one fused kernel where it can."""
-        if not fused_sgd_update(self, gradient, variable, learning_rate,
+        if not fused_sgd_update(self, super().update_step, gradient, variable, learning_rate,
                                 lambda: self.momentums[self._get_variable_index(variable)] if self.momentum else None):
             super().update_step(gradient, variable, learning_rate)
 

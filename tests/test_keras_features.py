@@ -163,9 +163,10 @@ def test_sgd_in_the_wrapper_updates_bit_for_bit_like_the_unwrapped_keras_sgd(ker
     """workers/sgd_update.py, 2 ranks: hc.DistributedOptimizer(SGD) applies SGD's update in
     TensorFlow's fused kernels, and every weight and momentum equals, bit for bit after every
     step, the unwrapped Keras SGD given Horovod's mean of the same gradients. float16 variables
-    keep Keras's own update."""
+    keep Keras's own update, and a user's SGD subclass that overrides update_step keeps its own."""
     fused = {"nesterov, schedule": ["ResourceApplyKerasMomentum"], "momentum": ["ResourceApplyKerasMomentum"],
              "weight decay": ["ResourceApplyKerasMomentum"], "float16 variables": [],
+             "subclass with its own update_step": [],
              # Keras 3 keeps no momentum slot without momentum; tf_keras keeps one (at momentum 0)
              "no momentum": {"tf_keras": ["ResourceApplyKerasMomentum"],
                              "keras3": ["ResourceApplyGradientDescent"]}[keras]}

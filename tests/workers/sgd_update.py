@@ -7,7 +7,8 @@ The wrapper applies SGD's update (momentum, Nesterov, none) in TensorFlow's fuse
 - the second with the same SGD unwrapped, given hvd.grouped_allreduce's mean of the same gradients.
 After every step both copies' weights and momenta must be bit-identical (on 2 ranks a mean is one
 sum of two terms, the same in any fusion). Cases: a learning-rate schedule with Nesterov momentum,
-plain momentum, none, weight decay, and float16 variables, which keep Keras's own update.
+plain momentum, none, weight decay; float16 variables and a subclass of SGD with its own
+update_step keep Keras's (and the subclass's) update.
 The report says, per case, which update ops the wrapper's step ran.
 """
 import numpy as np
@@ -22,13 +23,23 @@ STEPS, BATCH = 6, 8
 
 
 def cases(keras):
+    """name -> (SGD class, its arguments, the model's dtype)."""
+    sgd = keras.optimizers.SGD
+
+    class DoubledSGD(sgd):
+        """A user's SGD with its own update_step (in either Keras's signature): its override must run."""
+
+        def update_step(self, gradient, *args):
+            return super().update_step(gradient * 2.0, *args)
+
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.1, 0.02])
     return {
-        "nesterov, schedule": (dict(learning_rate=schedule, momentum=0.9, nesterov=True), "float32"),
-        "momentum": (dict(learning_rate=0.05, momentum=0.9), "float32"),
-        "no momentum": (dict(learning_rate=0.05), "float32"),
-        "weight decay": (dict(learning_rate=0.05, momentum=0.9, weight_decay=0.01), "float32"),
-        "float16 variables": (dict(learning_rate=0.05, momentum=0.9, nesterov=True), "float16"),
+        "nesterov, schedule": (sgd, dict(learning_rate=schedule, momentum=0.9, nesterov=True), "float32"),
+        "momentum": (sgd, dict(learning_rate=0.05, momentum=0.9), "float32"),
+        "no momentum": (sgd, dict(learning_rate=0.05), "float32"),
+        "weight decay": (sgd, dict(learning_rate=0.05, momentum=0.9, weight_decay=0.01), "float32"),
+        "float16 variables": (sgd, dict(learning_rate=0.05, momentum=0.9, nesterov=True), "float16"),
+        "subclass with its own update_step": (DoubledSGD, dict(learning_rate=0.05, momentum=0.9), "float32"),
     }
 
 
@@ -43,13 +54,13 @@ def slots(opt):
     return [np.asarray(m) for m in getattr(opt, "momentums", [])]
 
 
-def run_case(keras, config, dtype):
+def run_case(keras, sgd, config, dtype):
     keras.utils.set_random_seed(1)
     wrapped, plain = model_of(keras, dtype), model_of(keras, dtype)
     initial = wrapped.get_weights()
     plain.set_weights(initial)
-    hc_sgd = hc.DistributedOptimizer(keras.optimizers.SGD(**config))
-    keras_sgd = keras.optimizers.SGD(**config)
+    hc_sgd = hc.DistributedOptimizer(sgd(**config))
+    keras_sgd = sgd(**config)
     rng = np.random.default_rng(10 + hvd.rank())  # each rank its own data
     x = rng.normal(size=(STEPS, BATCH, 7)).astype(np.float32)
     y = rng.normal(size=(STEPS, BATCH, 3)).astype(np.float32)
@@ -82,7 +93,7 @@ def run_case(keras, config, dtype):
 def main(_):
     hvd.init()
     keras = tf.keras
-    report(hvd, results={name: run_case(keras, config, dtype) for name, (config, dtype) in cases(keras).items()})
+    report(hvd, results={name: run_case(keras, *case) for name, case in cases(keras).items()})
 
 
 if __name__ == "__main__":
