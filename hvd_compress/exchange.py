@@ -194,9 +194,9 @@ class DenseAllreduce:
         return [tf.cast(s, t.dtype) for s, t in zip(summed, tensors)]
 
 
-#: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring): 4 MiB where Gloo's
+#: HalfAllreduce's largest piece of one alltoall, per destination (see its docstring): 2 MiB where Gloo's
 #: alltoall posts its receives before its sends (Horovod built with patches/horovod-0.28.1.patch), else 512 KiB
-HALF_CHUNK_BYTES = 4 << 20 if getattr(horovod, "gloo_receives_first", False) else 1 << 19
+HALF_CHUNK_BYTES = 2 << 20 if getattr(horovod, "gloo_receives_first", False) else 1 << 19
 #: HalfAllreduce cuts its buffer into pieces at multiples of this many float16 values (64 bytes), so that
 #: each piece is a slice of the buffer that shares its memory (TensorFlow copies unaligned slices)
 PIECE_ALIGN = 32
@@ -222,9 +222,10 @@ class HalfAllreduce:
     its receive: when one rank is ahead, the other's notice that it is ready to receive queues
     behind its own payload, and the two directions take turns (half the link's rate; 4 MiB pieces
     cost 840 ms a step at 1 Gbit/s against 600 for 512 KiB). Horovod built with this project's
-    patch posts receives first, and 4 MiB pieces then run at the link's rate in both directions;
-    with stock Horovod the pieces are 512 KiB, the fastest size there at 1 Gbit/s
-    (docs/design.md, "Compression.fp16", measures the sizes).
+    patch posts receives first; then 2 MiB pieces are the measured compromise on the 25M MLP
+    (2 ranks: 1 MiB is fastest at 1 Gbit/s and slowest at 10, 4 MiB the reverse). With stock
+    Horovod the pieces are 512 KiB, the fastest size there at 1 Gbit/s (docs/design.md,
+    "Compression.fp16", measures the sizes).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
     become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16

@@ -27,7 +27,7 @@ def test_setup_builds_the_library_the_package_loads():
 
 def test_horovod_is_built_with_this_checkouts_patch():
     """scripts/setup.sh stamps the patch's SHA-256 beside the Horovod it built (and rebuilds when
-    the patch changes); with the patch, Gloo posts receives first and Compression.fp16 sends 4 MiB
+    the patch changes); with the patch, Gloo posts receives first and Compression.fp16 sends 2 MiB
     pieces (exchange.HALF_CHUNK_BYTES)."""
     import hashlib
 
@@ -38,7 +38,7 @@ def test_horovod_is_built_with_this_checkouts_patch():
     patch = ROOT / "patches" / "horovod-0.28.1.patch"
     assert stamp.read_text().strip() == hashlib.sha256(patch.read_bytes()).hexdigest()
     assert horovod.gloo_receives_first is True
-    assert exchange.HALF_CHUNK_BYTES == 4 << 20
+    assert exchange.HALF_CHUNK_BYTES == 2 << 20
 
 
 def test_a_horovod_without_the_patch_gets_small_fp16_pieces():
