@@ -225,7 +225,7 @@ def worker():
     pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
-        step_ms=1000 * statistics.median(times), accounted=accounted(params),
+        step_ms=1000 * statistics.median(times), step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
         control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second
         **{k: (after[k] - before[k]) / FLAGS.steps for k in after})))

@@ -122,6 +122,12 @@ class OneBitCompressor(StatefulCompressor):
         bits, scales = payloads
         return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype, plus=plus)
 
+    def subtract_mean(self, variable, payloads, bounds, offset=0):
+        """variable -= elements [offset, offset + its size) of decode_mean(payloads, bounds), in place,
+        in one pass over a float32 variable (the bits of that decode and assign_sub)."""
+        bits, scales = payloads
+        return ops.subtract_block_sign_mean(variable, bits, scales, bounds, offset)
+
     @staticmethod
     def payload_bytes(num_elements, num_blocks):
         """Bytes of one payload: packed signs plus float32 scales."""

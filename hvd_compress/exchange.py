@@ -109,21 +109,63 @@ class StepInfo(NamedTuple):
     learning_rate: Optional[tf.Tensor] = None  # direct-update mode only: the update is scaled inside
     momentum: float = 0.0  # direct-update mode only (else the wrapped optimizer applies its own)
     nesterov: bool = False
+    #: True: an update the exchange gives as an EncodedUpdate is handed on as EncodedParts (the optimizer of
+    #: dist-EF-SGD subtracts them from float32 variables itself); False: it is decoded here
+    encoded_update: bool = False
 
 
 class Step(NamedTuple):
     """What one exchange step on the bucket's flat vector returns (Exchange.exchange)."""
     sent: Optional[tf.Tensor]  # what this worker sent: its residual is flat - sent
-    update: tf.Tensor  # the mean update of all workers
+    update: object  # the mean update of all workers: a flat tensor, or an EncodedUpdate
     state: dict = {}  # new values of the exchange's state, by name
     applied: Optional[tf.Tensor] = None  # indices where the update was applied (sketched SGD)
     residual: Optional[tf.Tensor] = None  # flat - sent, where the compressor gives it (then sent is None)
 
 
+class EncodedUpdate(NamedTuple):
+    """A bucket's mean update left as the payloads it travelled in (a Step's update), decoded where it
+    is used: the optimizer of dist-EF-SGD subtracts each variable's part from the variable in one
+    pass (EncodedPart.subtract_from, one read and one write of the variable, where a decode and
+    assign_sub take four streams); everything else gets decode().
+
+    compressor: what decodes them (decode_mean, subtract_mean); payloads: the stacked payloads whose
+    mean is the update, as compressor.decode_mean takes them; bounds: the bucket's block bounds."""
+    compressor: object
+    payloads: tuple
+    bounds: tf.Tensor
+
+    def decode(self):
+        return self.compressor.decode_mean(self.payloads, self.bounds)
+
+    def parts(self, sizes):
+        """One EncodedPart per variable of these sizes, in the bucket's order."""
+        return [EncodedPart(self, int(offset)) for offset in np.cumsum([0, *sizes[:-1]])]
+
+
+class EncodedPart(NamedTuple):
+    """One variable's elements of an EncodedUpdate, from `offset` in the bucket."""
+    update: EncodedUpdate
+    offset: int
+
+    def subtract_from(self, variable):
+        """variable -= this part of the decoded update, in place (a float32 variable of the part's size)."""
+        u = self.update
+        return u.compressor.subtract_mean(variable, u.payloads, u.bounds, self.offset)
+
+
+def subtract(variable, delta):
+    """variable -= delta: a dense tensor (cast to the variable's dtype), or an EncodedPart decoded
+    straight into the variable."""
+    if isinstance(delta, EncodedPart):
+        return delta.subtract_from(variable)
+    return variable.assign_sub(tf.cast(delta, variable.dtype))
+
+
 class Exchanged(NamedTuple):
     """What one exchange step returns to the optimizer (Exchange.__call__): per variable."""
     residual: list  # this worker's residual, a flat tensor per variable (its input less what it sent)
-    update: list  # the mean update of all workers, a flat tensor per variable
+    update: list  # the mean update of all workers, a flat tensor (or EncodedPart) per variable
     state: dict = {}
     applied: Optional[tf.Tensor] = None
 
@@ -133,7 +175,8 @@ class Exchange:
 
     The optimizer calls it with the bucket's values as `parts`, one flat float32 tensor per
     variable. By default the parts are concatenated into the bucket's flat vector, which
-    `exchange` works on, and the residual and update are cut back into parts. An exchange that
+    `exchange` works on, and the residual and update are cut back into parts (an EncodedUpdate
+    into EncodedParts where the step says `encoded_update`, else decoded first). An exchange that
     can work on the parts where they lie (top-k, random-k, PowerSGD) overrides __call__ and makes
     no concatenation.
     """
@@ -155,7 +198,12 @@ class Exchange:
         result = self.exchange(flat, state, step)
         sizes = [int(p.shape[0]) for p in parts]
         residual = flat - result.sent if result.residual is None else result.residual
-        return Exchanged(tf.split(residual, sizes), tf.split(result.update, sizes), result.state, result.applied)
+        update = result.update
+        if isinstance(update, EncodedUpdate):
+            update = update.parts(sizes) if step.encoded_update else tf.split(update.decode(), sizes)
+        else:
+            update = tf.split(update, sizes)
+        return Exchanged(tf.split(residual, sizes), update, result.state, result.applied)
 
     def exchange(self, flat, state, step):
         """flat: the bucket's values as one float32 [n] vector. Returns a Step."""
@@ -334,7 +382,7 @@ class SignAllgather(Exchange):
         gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.bucket.process_set,
                                  name=self.bucket.name)
         everyone = _split_sign_payloads(gathered, self.bucket.size, self.num_bytes, self.num_blocks)
-        return Step(None, self.compressor.decode_mean(everyone, bounds), residual=residual)
+        return Step(None, EncodedUpdate(self.compressor, everyone, bounds), residual=residual)
 
 
 def shard_cuts(num_elements, size):
@@ -406,7 +454,7 @@ class SignTwoWay(Exchange):
             all_bits.append(bits_j[0])
             all_scales.append(scales_j[0])
             offset += s["payload"]
-        update = self.compressor.decode((tf.concat(all_bits, 0), tf.concat(all_scales, 0)), bounds)
+        update = EncodedUpdate(self.compressor, (tf.concat(all_bits, 0)[None], tf.concat(all_scales, 0)[None]), bounds)
         return Step(None, update, {"server_residual": server_residual}, residual=residual)
 
 

@@ -24,7 +24,7 @@ REBUILD_HINT = (
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignCompress", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
-             "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed",
+             "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed", "ResourceSubtractBlockSignMean",
              "HvdCompressBuildInfo")
 
 
@@ -170,6 +170,22 @@ def block_sign_unpack_mean(bits, scales, n, block_size=None, bounds=None, dtype=
         bits = tf.reshape(bits, tf.stack([tf.shape(scales, out_type=tf.int64)[0], -1]))
     result = library().block_sign_unpack_mean(bits, scales, bounds, [] if plus is None else [plus], T=dtype)
     return _with_static_length(result, n)
+
+
+def subtract_block_sign_mean(variable, bits, scales, bounds, offset=0):
+    """variable -= elements [offset, offset + variable's size) of block_sign_unpack_mean(bits, scales,
+    bounds=bounds), in place: the bits of that decode and `variable.assign_sub`, in one pass over
+    the variable instead of four streams (a decode and assign_sub's read, read and write).
+
+    variable: a float32 resource variable, read as a flat vector; bits uint8[m, ceil(n/8)] and
+    scales float32[m, B] are m stacked payloads of the n = bounds[-1] elements (m = 1: one
+    payload, decoded as block_sign_unpack decodes it). Returns the op (no output).
+    """
+    if tf.as_dtype(variable.dtype) != tf.float32:
+        raise TypeError(f"subtract_block_sign_mean updates float32 variables only, got {tf.as_dtype(variable.dtype).name}; "
+                        "decode with block_sign_unpack_mean and use assign_sub for other dtypes.")
+    return library().resource_subtract_block_sign_mean(variable.handle, bits, scales, bounds,
+                                                       tf.cast(offset, tf.int64))
 
 
 def _with_static_length(result, n):

@@ -339,7 +339,8 @@ class GradientExchange(tf.Module):
 
     def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
         """Returns one tensor per variable, in its dtype: a delta to subtract (compressed variables
-        in direct-update mode) or an averaged gradient (everything else); None where the gradient
+        in direct-update mode; an exchange.EncodedPart for exchange.subtract where the bucket's update
+        stays encoded, `_subtracts_encoded`) or an averaged gradient (everything else); None where the gradient
         is None (zeros travel in its place, and its state is left as it was). step: the optimizer's
         iteration; None (a tape) uses and advances the exchange's own count, `own_steps`."""
         self.traced = True
@@ -360,7 +361,9 @@ class GradientExchange(tf.Module):
             for b, (bucket, alternatives) in enumerate(zip(self.layout.buckets, self.alternatives)):
                 parts = [tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov)
                                     if i not in absent else tf.zeros(self.layout.shapes[i]), [-1]) for i in bucket]
-                runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, parts, info)
+                # Accordion's settings run under tf.cond, whose branches return tensors: decoded there.
+                encoded = len(alternatives) == 1 and self._subtracts_encoded(bucket)
+                runs = [lambda ex=ex, own=own: self._run(ex, own, bucket, parts, info._replace(encoded_update=encoded))
                         for ex, own in zip(alternatives, self.exchange_state[b])]
                 if len(runs) == 1:
                     residuals, updates = runs[0]()
@@ -371,12 +374,22 @@ class GradientExchange(tf.Module):
                     if i not in absent and kept is not None:
                         with tf.name_scope("hc_state_update"):
                             kept.assign(tf.reshape(residual, shape))
-                    if self.op == hvd.Sum:
-                        update = update * self.process_set.size()
-                    out[i] = tf.cast(tf.reshape(update, shape), self.variable_dtypes[i])
+                    if isinstance(update, exchange.EncodedPart):  # decoded into the variable by exchange.subtract
+                        out[i] = update
+                    else:
+                        if self.op == hvd.Sum:
+                            update = update * self.process_set.size()
+                        out[i] = tf.cast(tf.reshape(update, shape), self.variable_dtypes[i])
             if counted:
                 self.own_steps.assign_add(1)
             return [None if i in absent else g for i, g in enumerate(out)]
+
+    def _subtracts_encoded(self, bucket):
+        """Whether the bucket's update may reach the optimizer encoded (exchange.EncodedPart), to be
+        decoded straight into its variables: in direct-update mode (the optimizer subtracts it),
+        averaged (hvd.Sum scales it first) and for float32 variables."""
+        return (self.direct_update and self.op == hvd.Average
+                and all(self.variable_dtypes[i] == tf.float32 for i in bucket))
 
     def _run(self, ex, own_state, bucket, parts, step):
         """Runs one bucket's exchange and stores its new state: (this worker's residual, mean update),
@@ -633,7 +646,7 @@ class _DistributedOptimizerMixin:
             with tf.name_scope("hc_state_update"):
                 self._apply_weight_decay([v for _, v in deltas])
                 for delta, v in deltas:
-                    v.assign_sub(tf.cast(delta, v.dtype))
+                    exchange.subtract(v, delta)  # an EncodedPart is decoded straight into v
                     if v.constraint is not None:
                         v.assign(v.constraint(v))
         if passed_on:

@@ -111,6 +111,47 @@ def test_unpack_mean_matches_numpy(layout, ranks, seed):
                                   want + plus.numpy())
 
 
+@SETTINGS
+@given(sizes=st.lists(st.one_of(st.integers(1, 300), st.sampled_from([ref.KCHUNK - 3, ref.KCHUNK + 5])),
+                      min_size=1, max_size=4),
+       block_size=st.one_of(st.none(), st.integers(1, 40), st.just(1000)), ranks=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_subtract_block_sign_mean_is_the_decode_and_assign_sub(sizes, block_size, ranks, seed):
+    """Each variable of a fused bucket less its part of the decoded mean, in place: the bits of
+    block_sign_unpack_mean and assign_sub (NumPy's float32 subtraction), eagerly and traced; a read
+    taken before still sees the old values (the op copies a buffer that a read holds)."""
+    n = sum(sizes)
+    bounds = ops.layout_bounds(sizes, block_size)
+    payloads = [ops.block_sign_compress(sample(n, seed + r), bounds=bounds)[:2] for r in range(ranks)]
+    bits, scales = tf.stack([b for b, _ in payloads]), tf.stack([s for _, s in payloads])
+    mean = ref.unpack_mean([b.numpy() for b in bits], [s.numpy() for s in scales], bounds)
+
+    @tf.function
+    def subtract(*args):
+        ops.subtract_block_sign_mean(*args)
+
+    for offset, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
+        before = sample(size, seed + 7).numpy()
+        variable = tf.Variable(before)
+        read = variable.read_value()
+        ops.subtract_block_sign_mean(variable, bits, scales, tf.constant(bounds), offset)
+        want = before - mean[offset:offset + size]
+        np.testing.assert_array_equal(variable.numpy(), want)
+        np.testing.assert_array_equal(read.numpy(), before)
+        subtract(variable, bits, scales, tf.constant(bounds), offset)
+        np.testing.assert_array_equal(variable.numpy(), want - mean[offset:offset + size])
+
+
+def test_subtract_block_sign_mean_refuses_what_it_cannot_update():
+    bits, scales = ops.block_sign_pack(tf.ones([16]))
+    with pytest.raises(TypeError, match="float32 variables only, got float16"):
+        ops.subtract_block_sign_mean(tf.Variable(tf.ones([16], tf.float16)), bits[None], scales[None], [0, 16])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the variable's 10 elements from offset 8 do not fit"):
+        ops.subtract_block_sign_mean(tf.Variable(tf.ones([10])), bits[None], scales[None], [0, 16], 8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="payload does not match bounds"):
+        ops.subtract_block_sign_mean(tf.Variable(tf.ones([10])), bits[None], scales[None], [0, 8, 16])
+
+
 def test_unpack_mean_refuses_a_plus_of_another_size():
     bits, scales = ops.block_sign_pack(tf.ones([16]))
     with pytest.raises(tf.errors.InvalidArgumentError, match="plus must be at most one float32 tensor of 16 "):

@@ -35,18 +35,25 @@ DimensionHandle NumElementsFromBounds(InferenceContext* c, int bounds_input) {
   return c->MakeDim(bounds->flat<int64_t>()(bounds->NumElements() - 1));
 }
 
-absl::Status UnpackShape(InferenceContext* c, int payload_rank) {
+// Payloads (bits, scales, bounds at inputs first, first + 1, first + 2) of
+// payload_rank 1 (one) or 2 (stacked) that agree with each other.
+absl::Status CheckPayloads(InferenceContext* c, int payload_rank, int first) {
   DimensionHandle blocks;
-  TF_RETURN_IF_ERROR(NumBlocks(c, 2, &blocks));
+  TF_RETURN_IF_ERROR(NumBlocks(c, first + 2, &blocks));
   ShapeHandle bits, scales;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), payload_rank, &bits));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), payload_rank, &scales));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(first), payload_rank, &bits));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(first + 1), payload_rank, &scales));
   DimensionHandle unused;
   TF_RETURN_IF_ERROR(
       c->Merge(c->Dim(scales, payload_rank - 1), blocks, &unused));
   if (payload_rank == 2) {
     TF_RETURN_IF_ERROR(c->Merge(c->Dim(bits, 0), c->Dim(scales, 0), &unused));
   }
+  return absl::OkStatus();
+}
+
+absl::Status UnpackShape(InferenceContext* c, int payload_rank) {
+  TF_RETURN_IF_ERROR(CheckPayloads(c, payload_rank, 0));
   c->set_output(0, c->Vector(NumElementsFromBounds(c, 2)));
   return absl::OkStatus();
 }
@@ -130,6 +137,27 @@ without materializing m dense tensors: bits uint8[m, ceil(n/8)],
 scales float32[m, B]. Summed in float32 in payload order, then divided by m;
 with plus (at most one float32[n]) the sum's mean + plus, added in float32
 before the cast to T (for float32, what a separate add would give).
+)doc");
+
+REGISTER_OP("ResourceSubtractBlockSignMean")
+    .Input("variable: resource")
+    .Input("bits: uint8")
+    .Input("scales: float")
+    .Input("bounds: int64")
+    .Input("offset: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &unused));
+      return CheckPayloads(c, 2, 1);
+    })
+    .Doc(R"doc(
+variable -= y[offset : offset + size], in place, where y is what
+BlockSignUnpackMean decodes from the same stacked payloads and bounds and
+size is the float32 variable's number of elements (read as a flat vector):
+the float32 subtraction of AssignSubVariableOp, in one pass over the variable
+instead of a decode and a read-modify-write of a decoded tensor. Copies the
+variable's buffer first only where a read still holds it.
 )doc");
 
 }  // namespace hvd_compress
