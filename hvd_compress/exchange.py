@@ -9,7 +9,9 @@ values as one flat tensor per variable and returns, per variable, this worker's
 residual and the mean update, with the new values of its state and (sketched
 SGD) the coordinates where the update was applied (`Exchanged`); most
 exchanges work on the bucket's concatenation (`Exchange.exchange`, returning a
-`Step`: what this worker sent, its residual being flat - sent). An exchange that
+`Step`: what this worker sent, its residual being flat - sent; the update may stay
+encoded, an `EncodedUpdate`, which the optimizer of dist-EF-SGD decodes straight into its
+variables and everything else gets decoded). An exchange that
 keeps error and momentum in its own state (FetchSGD)
 says `worker_feedback = False`: the worker then hands it plain gradients and
 keeps no residual or momentum of its own. So
