@@ -179,7 +179,8 @@ def subtract_block_sign_mean(variable, bits, scales, bounds, offset=0):
 
     variable: a float32 resource variable, read as a flat vector; bits uint8[m, ceil(n/8)] and
     scales float32[m, B] are m stacked payloads of the n = bounds[-1] elements (m = 1: one
-    payload, decoded as block_sign_unpack decodes it). Returns the op (no output).
+    payload, its +-scale as block_sign_unpack decodes it, but for a block whose scale rounded
+    to 0, whose -0 comes out +0). Returns the op (no output).
     """
     if tf.as_dtype(variable.dtype) != tf.float32:
         raise TypeError(f"subtract_block_sign_mean updates float32 variables only, got {tf.as_dtype(variable.dtype).name}; "
