@@ -43,6 +43,12 @@ def run(compression, two_way, nesterov, process_set):
 
     for t in range(FLAGS.steps):
         step(*map(tf.constant, grads_of(process_set.rank(), t)))
+    # dist-EF-SGD (onebit under SGD) decodes its update straight into w; every other rule subtracts or
+    # hands on a dense tensor.
+    graph = step.get_concrete_function(tf.TensorSpec(SHAPE), tf.TensorSpec([DENSE])).graph.as_graph_def()
+    op_types = {node.op for node in graph.node} | {node.op for f in graph.library.function for node in f.node_def}
+    assert ("ResourceSubtractBlockSignMean" in op_types) == isinstance(compression, hc.compression.OneBitCompressor), (
+        compression, sorted(op_types))
     layout = opt.compression_exchange.layout
     # Compression.fp16 compresses nothing: its 16-bit exchange is the one of uncompressed tensors.
     assert (layout.compressed, layout.dense) == (([], [0, 1]) if compression is hc.Compression.fp16 else ([0], [1]))
