@@ -51,6 +51,13 @@ def keras_and_broadcast():
     return tf.keras, hc.callbacks.BroadcastGlobalVariablesCallback
 
 
+def op_types(step, *input_specs):
+    """The set of op types in the graph of a tf.function traced for these TensorSpecs, its inner
+    functions included (what a step ran: fused kernels, the ops it must or must not use)."""
+    graph = step.get_concrete_function(*input_specs).graph.as_graph_def()
+    return {node.op for node in graph.node} | {node.op for f in graph.library.function for node in f.node_def}
+
+
 def report(hvd, **result):
     """Writes this rank's result for tests/hvdrun.run_ranks."""
     path = pathlib.Path(FLAGS.out_dir) / f"rank{hvd.rank()}.json"

@@ -17,7 +17,7 @@ from absl import app
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import op_types, report
 
 STEPS, BATCH = 6, 8
 
@@ -83,9 +83,8 @@ def run_case(keras, sgd, config, dtype):
                            for a, b in zip(wrapped.get_weights(), plain.get_weights()))
         same_slots = all(np.array_equal(a, b) for a, b in zip(slots(hc_sgd), slots(keras_sgd)))
         identical.append(bool(same_weights and same_slots))
-    graph = step.get_concrete_function(tf.TensorSpec((BATCH, 7)), tf.TensorSpec((BATCH, 3))).graph.as_graph_def()
-    op_types = [node.op for node in graph.node] + [node.op for f in graph.library.function for node in f.node_def]
-    return {"identical": identical, "fused_ops": sorted({op for op in op_types if op.startswith("ResourceApply")}),
+    ran = op_types(step, tf.TensorSpec((BATCH, 7)), tf.TensorSpec((BATCH, 3)))
+    return {"identical": identical, "fused_ops": sorted(op for op in ran if op.startswith("ResourceApply")),
             "slots": len(slots(hc_sgd)), "iterations": int(np.asarray(hc_sgd.iterations)),
             "moved": float(max(np.abs(w - w0).max() for w, w0 in zip(wrapped.get_weights(), initial)))}
 

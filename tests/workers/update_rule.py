@@ -13,7 +13,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from hvd_compress import exchange
 import np_reference as ref
-from _worker import init_world_sizes, launch_size, report
+from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
@@ -45,10 +45,9 @@ def run(compression, two_way, nesterov, process_set):
         step(*map(tf.constant, grads_of(process_set.rank(), t)))
     # dist-EF-SGD (onebit under SGD) decodes its update straight into w; every other rule subtracts or
     # hands on a dense tensor.
-    graph = step.get_concrete_function(tf.TensorSpec(SHAPE), tf.TensorSpec([DENSE])).graph.as_graph_def()
-    op_types = {node.op for node in graph.node} | {node.op for f in graph.library.function for node in f.node_def}
-    assert ("ResourceSubtractBlockSignMean" in op_types) == isinstance(compression, hc.compression.OneBitCompressor), (
-        compression, sorted(op_types))
+    ran = op_types(step, tf.TensorSpec(SHAPE), tf.TensorSpec([DENSE]))
+    assert ("ResourceSubtractBlockSignMean" in ran) == isinstance(compression, hc.compression.OneBitCompressor), (
+        compression, sorted(ran))
     layout = opt.compression_exchange.layout
     # Compression.fp16 compresses nothing: its 16-bit exchange is the one of uncompressed tensors.
     assert (layout.compressed, layout.dense) == (([], [0, 1]) if compression is hc.Compression.fp16 else ([0], [1]))
