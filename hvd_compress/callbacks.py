@@ -11,7 +11,7 @@ import tf_keras
 
 import horovod.tensorflow as hvd
 from hvd_compress import accordion
-from hvd_compress.keras_compat import sgd_classes
+from hvd_compress.keras_compat import WrapperCore, is_distributed, sgd_classes
 
 
 def hc_optimizer(model):
@@ -25,34 +25,102 @@ def tf_variable(v):
     return v if isinstance(v, tf.Variable) else v.value
 
 
-class BroadcastGlobalVariablesCallback(tf_keras.callbacks.Callback):
+def check_distributed_training(model, params, process_set=hvd.global_process_set):
+    """Before the first step of model.fit on more than one rank (a collective; BroadcastGlobalVariablesCallback
+    and MetricAverageCallback run it at on_train_begin, unless given allow_undistributed=True):
+    - the model's optimizer (inside any LossScaleOptimizer) must be distributed, by hvd_compress or
+      by Horovod: otherwise every rank would train alone and the ranks drift apart in silence;
+    - every rank must run the same number of steps per epoch (Keras's params["steps"]): otherwise
+      the rank with more waits at the epoch's end, forever, in a collective that the others never
+      join."""
+    if process_set.size() == 1:
+        return
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not is_distributed(optimizer):
+        raise ValueError(
+            f"model.optimizer is a plain {type(getattr(optimizer, 'inner_optimizer', optimizer)).__name__} on "
+            f"{process_set.size()} ranks: each rank would train alone and the ranks drift apart. Compile the model "
+            "with hvd_compress.DistributedOptimizer(optimizer, compression=...) (or load its file with "
+            "hvd_compress.load_model, which wraps the saved optimizer); to train each rank alone on purpose, give "
+            "the hvd_compress callbacks allow_undistributed=True.")
+    steps = params.get("steps") if params else None
+    everyone = hvd.allgather_object(steps, process_set=process_set, name="hc.steps_per_epoch")
+    if len(set(everyone)) > 1:
+        raise ValueError(
+            f"The ranks would run different numbers of steps per epoch: {everyone} (by rank). Every step's "
+            "exchange needs every rank, so the rank with more steps would wait forever at the epoch's end. Give "
+            "each rank the same number of batches: shard the data evenly (e.g. dataset.shard(hvd.size(), "
+            "hvd.rank()) on a dataset whose size divides by hvd.size() times the batch size, or .take() the "
+            "smallest count), or pass model.fit(..., steps_per_epoch=N) with the same N everywhere.")
+
+
+class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
+    """What hvd_compress's callbacks share: check_distributed_training at on_train_begin (where
+    allow_undistributed is False)."""
+
+    def __init__(self, process_set=hvd.global_process_set, allow_undistributed=False):
+        super().__init__()
+        self.process_set, self.allow_undistributed = process_set, allow_undistributed
+        self.first_batch = False
+
+    def on_train_begin(self, logs=None):
+        self.first_batch = True
+        if not self.allow_undistributed:
+            check_distributed_training(self.model, self.params, self.process_set)
+
+    def on_train_batch_end(self, batch, logs=None):
+        """After the first batch: the step Keras ran must have been the wrapper's. An optimizer wrapped
+        after model.fit traced its step (Keras keeps that step until model.compile) is not in it."""
+        if self.first_batch:
+            self.first_batch = False
+            optimizer = hc_optimizer(self.model)
+            if isinstance(optimizer, WrapperCore) and not optimizer._hc_stepped:
+                raise ValueError(
+                    f"The step Keras ran did not go through hvd_compress.{optimizer.saved_name}: the optimizer was "
+                    "wrapped after this model had traced its training step, which Keras keeps. Call "
+                    "model.compile(optimizer=...) again after wrapping.")
+
+
+class BroadcastGlobalVariablesCallback(_DistributedTrainingCallback):
     """Horovod's BroadcastGlobalVariablesCallback for either Keras: at the start of training,
     before the first step, every rank takes rank `root_rank`'s model and optimizer variables (the
     replicated state; per-rank state stays each rank's own: docs/design.md, "State scopes").
     It runs when the first batch begins, after every callback's on_train_begin (Accordion's
     plans the exchange), and builds the optimizer first, so its slots exist and are broadcast too.
-    Once per callback, as Horovod's."""
+    A model that is not built yet (a Sequential without keras.Input, a subclassed model never
+    called) gets its variables in the first step: then it runs when the first batch ends, as
+    Horovod's does, and the ranks are identical from the second step on.
+    Once per callback, as Horovod's. It also checks, before the first step, that the training is
+    distributed (check_distributed_training; allow_undistributed=True turns that off)."""
 
-    def __init__(self, root_rank=0, process_set=hvd.global_process_set):
-        super().__init__()
-        self.root_rank, self.process_set, self.done = root_rank, process_set, False
+    def __init__(self, root_rank=0, process_set=hvd.global_process_set, allow_undistributed=False):
+        super().__init__(process_set, allow_undistributed)
+        self.root_rank, self.done = root_rank, False
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.done:
-            return
+        if not self.done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done:
+            self._broadcast()
+        super().on_train_batch_end(batch, logs)
+
+    def _broadcast(self):
         self.model.optimizer.build(self.model.trainable_variables)
         variables = [tf_variable(v) for v in self.model.variables + list(self.model.optimizer.variables)]
         hvd.broadcast_variables(variables, root_rank=self.root_rank, process_set=self.process_set)
         self.done = True
 
 
-class MetricAverageCallback(tf_keras.callbacks.Callback):
+class MetricAverageCallback(_DistributedTrainingCallback):
     """Horovod's MetricAverageCallback for either Keras: at every epoch end, each numeric value in
-    the logs becomes its average over the ranks (put it before callbacks that read the logs)."""
+    the logs becomes its average over the ranks (put it before callbacks that read the logs).
+    It also checks, before the first step, that the training is distributed
+    (check_distributed_training; allow_undistributed=True turns that off)."""
 
-    def __init__(self, process_set=hvd.global_process_set):
-        super().__init__()
-        self.process_set = process_set
+    def __init__(self, process_set=hvd.global_process_set, allow_undistributed=False):
+        super().__init__(process_set, allow_undistributed)
 
     def on_epoch_end(self, epoch, logs=None):
         for key in sorted(logs or {}):  # the same order on every rank

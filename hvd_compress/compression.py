@@ -13,6 +13,8 @@ Two kinds:
 Usage mirrors Horovod: `compression=Compression.fp16`, or
 `compression=Compression.onebit(block_size=256)`.
 """
+import importlib
+import inspect
 import math
 
 import numpy as np
@@ -27,6 +29,13 @@ class Compressor(hvd_compression.Compressor):
 
     #: True when the compressor needs hvd_compress.DistributedOptimizer.
     requires_optimizer = False
+
+    def __new__(cls, *args, **kwargs):
+        """Records the arguments a compressor is made with (`arguments`, what a model file saves)."""
+        compressor = super().__new__(cls)
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+        compressor.arguments = {name: value for name, value in list(bound.items())[1:]}
+        return compressor
 
 
 class NoneCompressor(hvd_compression.NoneCompressor, Compressor):
@@ -285,3 +294,30 @@ class Compression:
         return SketchCompressor(ratio=ratio, k=k, rows=rows, cols=cols, candidates=candidates,
                                 second_round=second_round, seed=seed, mode=mode, apply_candidates=apply_candidates,
                                 mask_momentum=mask_momentum)
+
+
+def to_config(compression):
+    """A compression (a compressor, or a class of one used uncalled, as Compression.fp16) as JSON data,
+    for model files: {"name": its name in Compression, or "module:QualifiedName" for a class of
+    another module (a user's subclass), "arguments": what it was made with}."""
+    cls = compression if isinstance(compression, type) else type(compression)
+    names = {getattr(Compression, name): name for name in ("none", "fp16", "onebit", "topk", "randomk", "powersgd")}
+    from hvd_compress.sketch import SketchCompressor  # sketch.py builds on this module
+    names[SketchCompressor] = "sketch"
+    config = {"name": names.get(cls, f"{cls.__module__}:{cls.__qualname__}")}
+    if not isinstance(compression, type):
+        config["arguments"] = compression.arguments
+    return config
+
+
+def from_config(config):
+    """The compression to_config recorded."""
+    name = config["name"]
+    if ":" in name:
+        module, qualname = name.split(":")
+        factory = importlib.import_module(module)
+        for part in qualname.split("."):
+            factory = getattr(factory, part)
+    else:
+        factory = getattr(Compression, name)
+    return factory(**config["arguments"]) if "arguments" in config else factory

@@ -114,6 +114,16 @@ class StepInfo(NamedTuple):
     #: True: an update the exchange gives as an EncodedUpdate is handed on as EncodedParts (the optimizer of
     #: dist-EF-SGD subtracts them from float32 variables itself); False: it is decoded here
     encoded_update: bool = False
+    #: direct-update mode only: lr / the previous step's lr, by which residuals of lr-scaled quantities
+    #: (the two-way server's) are multiplied this step (1 where the rate did not change)
+    residual_scale: Optional[tf.Tensor] = None
+
+
+def rescaled(residual, scale):
+    """residual * scale (StepInfo.residual_scale), with no pass over it where the scale is 1 or None."""
+    if scale is None:
+        return residual
+    return tf.cond(tf.equal(scale, 1.0), lambda: tf.identity(residual), lambda: residual * scale)
 
 
 class Step(NamedTuple):
@@ -444,7 +454,7 @@ class SignTwoWay(Exchange):
         error_fed_mean = self.compressor.decode_mean(  # A_j = mean + e_s, in one pass
             _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
                                  mine["last_block"] - mine["first_block"]), server_bounds,
-            plus=state["server_residual"])
+            plus=rescaled(state["server_residual"], step.residual_scale))
         (server_bits, server_scales), server_residual = self.compressor.encode_with_residual(
             error_fed_mean, server_bounds)
         gathered = hvd.allgather(_sign_payload(server_bits, server_scales),

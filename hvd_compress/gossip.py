@@ -30,7 +30,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, state
-from hvd_compress.keras_compat import wrapper_class
+from hvd_compress.keras_compat import (WrapperCore, refuse_saved_process_set, refuse_wrapped, register_loader,
+                                       saved_process_set, wrap_in_place)
 from hvd_compress.optimizer import check_known_variables, refuse_loss_scale_optimizer, refuse_xla
 from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
@@ -87,6 +88,7 @@ class PushSum:
                              f"got {average_every!r}.")
         self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
         self.process_set, self.name = process_set, name
+        self.agreement = state.RanksAgreement()  # due at the first step of each plan
         self.built = False
 
     def build(self, variables, holder):
@@ -120,7 +122,7 @@ class PushSum:
         state.track(self.holder, self.rank_state)  # a pending checkpoint restore happens here
         settings = (f"PushSum(graph={self.graph}, overlap={self.overlap}, average_every={self.average_every}) "
                     f"variables={[tuple(s) for s in self.shapes]}")
-        state.check_ranks_agree(settings, self.rank_state, self.process_set, self.name, previous)
+        self.agreement.plan(settings, self.rank_state, self.process_set, self.name, previous)
         self.world = (hvd.rank(), self.size)
 
     def _send(self, payload, step):
@@ -144,6 +146,7 @@ class PushSum:
 
     def __call__(self, variables, step):
         """One gossip round on the (already locally updated) variables z."""
+        self.agreement.check()
         with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
             w = tf.identity(self.weight)
         # The mass travels in float32 whatever the variables' dtype (float16 variables included).
@@ -178,9 +181,23 @@ class PushSum:
             offset += size
 
 
-class _PushSumOptimizerMixin:
+class _PushSumOptimizerMixin(WrapperCore):
+    saved_name = "PushSumOptimizer"
+
     def _hc_init(self, pushsum):
         object.__setattr__(self, "_hc_pushsum", pushsum)
+
+    def _hc_settings(self):
+        """PushSumOptimizer's keyword arguments as JSON data (for model files)."""
+        return dict(graph=self._hc_pushsum.graph, overlap=self._hc_pushsum.overlap,
+                    average_every=self._hc_pushsum.average_every or None,
+                    process_set_ranks=saved_process_set(self._hc_pushsum.process_set))
+
+    @staticmethod
+    def factory(optimizer, process_set_ranks=None, **settings):
+        if process_set_ranks is not None:
+            refuse_saved_process_set(process_set_ranks, "PushSumOptimizer")
+        return PushSumOptimizer(optimizer, **settings)
 
     @property
     def pushsum(self):
@@ -193,8 +210,9 @@ class _PushSumOptimizerMixin:
                                          getattr(self._hc_pushsum, "rank_state", None), save_type)
 
     def build(self, var_list):
-        super().build(var_list)
-        self._hc_pushsum.build(list(var_list), holder=self)
+        with tf.init_scope():  # the plan runs a collective (see _DistributedOptimizerMixin.build)
+            super().build(var_list)
+            self._hc_pushsum.build(list(var_list), holder=self)
 
     def hc_replan(self):
         """After an elastic reset, on every rank (hvd_compress.elastic.KerasState calls it)."""
@@ -209,6 +227,7 @@ class _PushSumOptimizerMixin:
     def _hc_step(self, pairs):
         """The wrapped optimizer's step on this rank's gradients, then the gossip."""
         refuse_xla("hvd_compress.PushSumOptimizer")
+        object.__setattr__(self, "_hc_stepped", True)
         variables = [v for _, v in pairs]
         with tf.init_scope():
             self.build(variables)
@@ -217,6 +236,9 @@ class _PushSumOptimizerMixin:
         iteration = self._hc_wrapped_apply(pairs)
         self._hc_pushsum(variables, step)
         return iteration
+
+
+register_loader(_PushSumOptimizerMixin)
 
 
 def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_every=None,
@@ -229,8 +251,9 @@ def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_ever
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
     """
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
+    refuse_wrapped(optimizer)
     pushsum = PushSum(graph, overlap, average_every, process_set)
-    wrapped = wrapper_class(optimizer, _PushSumOptimizerMixin).from_config(optimizer.get_config())
+    wrapped = wrap_in_place(optimizer, _PushSumOptimizerMixin)  # the user's instance, all it holds kept
     wrapped._hc_init(pushsum)
     return wrapped
 

@@ -14,9 +14,11 @@ of the two entry points below:
 
 A wrapper's core implements `_hc_agree_on_finiteness(grads)` and `_hc_step(grads_and_vars)`.
 """
+import contextlib
 import functools
 import importlib
 import sys
+import threading
 
 import tensorflow as tf
 
@@ -78,16 +80,167 @@ def sgd_classes():
     return tuple(keras.optimizers.SGD for keras in kerases_in_use())
 
 
-def wrapper_class(optimizer, core):
-    """A subclass of `optimizer`'s class (named alike) with the wrapper's `core` mixin after the
-    entry point of the optimizer's Keras."""
-    keras_of(optimizer)
-    entry = TfKerasEntry
-    if is_keras3(optimizer):
-        agree_on_overflows_in_keras3()
-        entry = Keras3Entry
+#: (class of the user's optimizer, wrapper core) -> the wrapper class made for it once
+_WRAPPER_CLASSES = {}
+
+
+def wrap_in_place(optimizer, core):
+    """Makes the user's optimizer instance itself the wrapper: its class becomes a subclass of its
+    own class (named as the core, e.g. DistributedOptimizer) with the wrapper's `core` mixin after
+    the entry point of its Keras. Nothing is rebuilt, so everything the instance holds is kept: settings outside get_config
+    (AdamW's exclude_from_weight_decay, a subclass's own attributes), callables and unregistered
+    schedules, an optimizer that already trained (its step count and slots). Returns it.
+
+    Model files save it under the core's registered name "hvd_compress>{core.saved_name}", with
+    a config that records the wrapped optimizer and the wrapper's settings (`WrapperCore`), so
+    keras.models.load_model in either Keras gives the wrapper back."""
+    keras = keras_of(optimizer)
+    refuse_wrapped(optimizer)
     base = type(optimizer)
-    return type(base.__name__, (entry, core, base), {"__module__": base.__module__})
+    if (base, core) not in _WRAPPER_CLASSES:
+        entry = Keras3Entry if keras.__name__ == "keras" else TfKerasEntry
+        # Named as the core (tf_keras's h5 and SavedModel loaders find a LossScaleOptimizer's inner
+        # optimizer by class name alone); isinstance(optimizer, its own class) still holds.
+        cls = type(core.saved_name, (entry, core, base), {"__module__": "hvd_compress", "_hc_base": base,
+                                                          "_hc_keras": keras})
+        saved_names(keras)[cls] = core.registered_name()
+        _WRAPPER_CLASSES[base, core] = cls
+    if keras.__name__ == "keras":
+        agree_on_overflows_in_keras3()
+    register_loaders()
+    optimizer.__class__ = _WRAPPER_CLASSES[base, core]
+    return optimizer
+
+
+def refuse_wrapped(optimizer):
+    """An optimizer is wrapped once: by hvd_compress or by Horovod."""
+    if isinstance(optimizer, WrapperCore):
+        raise ValueError(f"This {optimizer._hc_base.__name__} is already wrapped by hvd_compress."
+                         f"{optimizer.saved_name}; wrap the plain optimizer once.")
+    if hasattr(optimizer, "_allreduce_grads"):
+        raise ValueError(f"This {type(optimizer).__name__} is already Horovod's DistributedOptimizer; give "
+                         "hvd_compress the plain Keras optimizer instead (it replaces Horovod's wrapper).")
+
+
+def is_distributed(optimizer):
+    """Whether the optimizer (inside any LossScaleOptimizer) exchanges gradients: hvd_compress's
+    wrappers and Horovod's DistributedOptimizer."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return isinstance(inner, WrapperCore) or hasattr(inner, "_allreduce_grads")
+
+
+def saved_names(keras):
+    """Keras's (either's) map of classes to the names it saves them under (what
+    register_keras_serializable fills; every wrapper class of a core shares its core's name, which
+    tf_keras's decorator refuses)."""
+    registration = sys.modules[f"{keras.__name__}.src.saving.object_registration"]
+    return registration.GLOBAL_CUSTOM_NAMES if keras.__name__ == "keras" else registration._GLOBAL_CUSTOM_NAMES
+
+
+#: the wrapper cores whose saved names every imported Keras loads (register_loaders)
+_CORES = []
+
+
+def register_loader(core):
+    """Makes every imported Keras load the name `core` saves under with core.from_config (now, and
+    again where hvd_compress meets a Keras imported after it)."""
+    _CORES.append(core)
+    register_loaders()
+
+
+def register_loaders():
+    """Each core's loader in each imported Keras (at hvd_compress's import, when an optimizer is
+    wrapped and in hvd_compress.load_model: a file may be loaded before any optimizer is wrapped).
+    A Keras that is not imported yet is not imported here: Keras 3 takes 1.5 s to import."""
+    for module, keras in (("tf_keras", tf_keras), ("keras", keras3)):
+        if module not in sys.modules or keras() is None:
+            continue
+        for core in _CORES:
+            loader = type(core.saved_name, (core,), {"__module__": "hvd_compress", "_hc_keras": keras()})
+            # tf_keras's legacy loaders look a LossScaleOptimizer's inner optimizer up by class name.
+            keras().saving.get_custom_objects().update({core.registered_name(): loader, core.saved_name: loader})
+
+
+def saved_process_set(process_set):
+    """What a model file records of a wrapper's process set: None for the global one, else its ranks."""
+    import horovod.tensorflow as hvd
+    return None if process_set == hvd.global_process_set else list(process_set.ranks)
+
+
+def refuse_saved_process_set(ranks, wrapper):
+    """A process set other than the global one cannot be recreated from a file."""
+    raise ValueError(f"This {wrapper} was saved with a process set of ranks {ranks}, which a model file cannot "
+                     f"recreate: load it with hvd_compress.load_model(path, optimizer_wrapper=lambda optimizer: "
+                     f"hvd_compress.{wrapper}(optimizer, ..., process_set=...)) with a process set of those ranks.")
+
+
+#: Set by hvd_compress.load_model while it loads: (inner optimizer, saved factory, saved settings) -> wrapper.
+_loading = threading.local()
+
+
+@contextlib.contextmanager
+def rewrapping(rewrap):
+    """While a model file loads, wrappers found in it are made by `rewrap(inner, factory, settings)`
+    instead of factory(inner, **settings) (hvd_compress.load_model's own settings)."""
+    previous, _loading.rewrap = getattr(_loading, "rewrap", None), rewrap
+    try:
+        yield
+    finally:
+        _loading.rewrap = previous
+
+
+class WrapperCore:
+    """What an hvd_compress wrapper core shares: its config records the wrapped optimizer (as that
+    optimizer's own Keras would save it, under its registered name) and the wrapper's settings;
+    from_config deserializes the first and wraps it with the second.
+
+    A core sets `saved_name` and `factory` (the public function that wraps an optimizer) and
+    implements `_hc_settings()` (keyword arguments of `factory`, JSON-serializable)."""
+
+    saved_name = None
+    factory = None
+    #: set when a step of the wrapper is traced (or run): a model traced before the wrap runs without it
+    _hc_stepped = False
+
+    @classmethod
+    def registered_name(cls):
+        return f"hvd_compress>{cls.saved_name}"
+
+    def get_config(self):
+        keras = self._hc_keras
+        # The wrapped optimizer as its own Keras serializes it: a stand-in of its own class that shares
+        # this instance's attributes (another object: Keras's savers key shared objects by identity).
+        unwrapped = object.__new__(self._hc_base)
+        unwrapped.__dict__.update(self.__dict__)
+        inner = (keras.optimizers.serialize(unwrapped) if keras.__name__ == "keras" else
+                 keras.optimizers.serialize(unwrapped, use_legacy_format=False))
+        # tf_keras reads is_legacy_optimizer to choose its optimizer classes.
+        return {"optimizer": inner, **self._hc_settings(), "is_legacy_optimizer": False}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        import horovod.tensorflow as hvd
+        if not hvd.is_initialized():
+            raise ValueError(f"This model's optimizer is an hvd_compress.{cls.saved_name}: call hvd.init() "
+                             "before loading it to train on, or load it with compile=False for inference.")
+        settings = dict(config)
+        settings.pop("is_legacy_optimizer", None)
+        inner_config = settings.pop("optimizer")
+        keras = cls._hc_keras
+        # Each Keras's optimizers.deserialize knows only some of its optimizers (Keras 3's not Lamb, tf_keras's
+        # not Adafactor): Keras 3's general deserializer, and tf_keras's with every optimizer class it has.
+        if keras.__name__ == "keras":
+            inner = keras.saving.deserialize_keras_object(inner_config, custom_objects=custom_objects)
+        else:  # (its legacy loaders look the class up by class_name: a registered class by its registered name)
+            if isinstance(inner_config, dict) and inner_config.get("registered_name"):
+                inner_config = dict(inner_config, class_name=inner_config["registered_name"])
+            known = {name: klass for name, klass in vars(keras.optimizers).items()
+                     if isinstance(klass, type) and issubclass(klass, keras.optimizers.Optimizer)}
+            inner = keras.optimizers.deserialize(inner_config, custom_objects={**known, **(custom_objects or {})},
+                                                 use_legacy_optimizer=False)
+        rewrap = getattr(_loading, "rewrap", None)
+        factory = cls.factory
+        return rewrap(inner, factory, settings) if rewrap else factory(inner, **settings)
 
 
 def fused_sgd_update(optimizer, own_update, gradient, variable, learning_rate, momentum_slot):
@@ -174,8 +327,9 @@ class Keras3Entry:
     def load_own_variables(self, store):
         """Loading a .keras or .weights.h5 file: the replicated state is in it, the per-rank state
         is not (rank 0 says so)."""
+        restored = len(store.keys()) == len(self.variables)  # else Keras skips them, with a warning
         super().load_own_variables(store)
-        state.note_model_file("A Keras file (.keras or .weights.h5)")
+        state.note_model_file("A Keras file (.keras or .weights.h5)", optimizer_restored=restored)
 
 
 @functools.lru_cache(maxsize=None)

@@ -214,13 +214,14 @@ def top_k_abs(x, k):
     return library().top_k_abs(xs, tf.cast(k, tf.int32))
 
 
-def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov):
+def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov, residual_scale=1.0):
     """Error feedback with momentum in front of the compressor, in one pass over float32 g, m, e:
-    m_new = momentum * m + g; p = momentum * m_new + g if nesterov else m_new; a = lr * p + e.
-    learning_rate and momentum are float32 scalars (numbers or tensors), nesterov a Python bool.
-    Returns (m_new, a), each product and sum rounded as TensorFlow's own ops would round it."""
+    m_new = momentum * m + g; p = momentum * m_new + g if nesterov else m_new;
+    a = lr * p + residual_scale * e (the scale: lr over the previous step's lr, 1 when it did not change).
+    learning_rate, momentum and residual_scale are float32 scalars (numbers or tensors), nesterov a
+    Python bool. Returns (m_new, a), each product and sum rounded as TensorFlow's own ops would round it."""
     return library().momentum_error_feed(g, m, e, tf.cast(learning_rate, tf.float32), tf.cast(momentum, tf.float32),
-                                         nesterov=bool(nesterov))
+                                         tf.cast(residual_scale, tf.float32), nesterov=bool(nesterov))
 
 
 def zero_at(parts, indices):

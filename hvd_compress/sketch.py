@@ -3,7 +3,7 @@
 
 Sketched SGD (mode="sketched", the default). Each worker keeps momentum u and error e
 (per-rank state). Per step, under SGD:
-    u = mu u + g;  a = lr u + e                     (Nesterov: lr (mu u + g) + e)
+    u = mu u + g;  a = lr u + s e                   (Nesterov: lr (mu u + g) + s e; s = lr / last step's lr)
     S_sum = allreduce_sum(S(a))                     (sketches are linear: rows x cols floats)
     C = the P k coordinates of largest |query(S_sum)|     (candidates, the same on every rank)
     V = allreduce_sum(a[C])                         (second round: P k floats, exact sums)

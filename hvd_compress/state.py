@@ -76,10 +76,14 @@ class RankLocalState(trackable.Trackable):
 
     def __init__(self, rank, size):
         self.rank, self.size = int(rank), int(size)
-        self.owner = tf.Variable([self.rank, self.size], dtype=tf.int64, trainable=False, name="hc_owner")
         self.specs, self.variables = {}, {}
         self.restored = None  # the last Restore, until taken by the owner's report
         self.reported = False  # True once the owner has reported a restore at build time
+
+    @property
+    def owner(self):
+        """[rank, size], saved with the state."""
+        return tf.constant([self.rank, self.size], tf.int64)
 
     def add(self, spec):
         """Creates the variable of a per-rank or sharded StateSpec (names are unique)."""
@@ -99,7 +103,7 @@ class RankLocalState(trackable.Trackable):
             variable.assign(self.specs[name].initial_value())
 
     def _serialize_to_tensors(self):
-        tensors = {"owner": self.owner}
+        tensors = {"owner": self.owner}  # a constant: no variable, so a stateless owner may be made in a tf.function
         tensors.update({safe_name(name): v for name, v in self.variables.items()})
         return tensors
 
@@ -189,15 +193,42 @@ def check_ranks_agree(settings, rank_state, process_set, name, previous_size=Non
                     f"; rank(s) {', '.join(map(str, kept))} kept their own." if kept else ".")
 
 
-def note_model_file(source):
+class RanksAgreement:
+    """check_ranks_agree for one plan, due at its first step, not at the plan itself: a model
+    file's loader plans (it builds the optimizer), and rank 0 alone may load a file, e.g. to
+    evaluate it, where a collective would wait forever."""
+
+    def __init__(self):
+        self.due = None
+
+    def plan(self, settings, rank_state, process_set, name, previous_size=None):
+        self.due = (settings, rank_state, process_set, name, previous_size)
+
+    def check(self):
+        """At a step (every rank traces it): the collective, eagerly, once per plan."""
+        if self.due is not None:
+            with tf.init_scope():
+                check_ranks_agree(*self.due)
+            self.due = None
+
+
+def note_model_file(source, optimizer_restored=True):
     """On rank 0, one line: a model file (h5, SavedModel, .keras, Keras 3's .weights.h5) restored
-    the model and the replicated state, and per-rank and sharded state starts from zero."""
-    if hvd.is_initialized() and hvd.rank() == 0:
-        log.warning("hvd_compress: %s restored the model and the optimizer's replicated state; per-rank "
-                    "and sharded state (error-feedback residuals, worker momenta, server residuals, PushSum "
-                    "weights) is not kept in model files and starts from zero. Save per-rank checkpoints "
-                    "(tf.train.Checkpoint; tf_keras: save_weights in the TF format) to resume exactly.",
-                    source)
+    the model and the replicated state, and per-rank and sharded state starts from zero; or, where
+    Keras skipped the optimizer's variables (an optimizer not built yet), that only the model was."""
+    if not (hvd.is_initialized() and hvd.rank() == 0):
+        return
+    if not optimizer_restored:
+        log.warning("hvd_compress: %s restored the model only: Keras skipped the optimizer's variables (its "
+                    "optimizer was not built yet, or the file's has other variables), so the optimizer's state "
+                    "starts from zero. To restore it, build the optimizer first "
+                    "(optimizer.build(model.trainable_variables)) and load again.", source)
+        return
+    log.warning("hvd_compress: %s restored the model and the optimizer's replicated state; per-rank "
+                "and sharded state (error-feedback residuals, worker momenta, server residuals, PushSum "
+                "weights) is not kept in model files and starts from zero. Save per-rank checkpoints "
+                "(tf.train.Checkpoint; tf_keras: save_weights in the TF format) to resume exactly.",
+                source)
 
 
 def check_world(rank, size, process_set):

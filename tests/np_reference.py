@@ -99,6 +99,12 @@ def compress(a, bounds):
     return (bits, scales), unpack(bits, scales, bounds)
 
 
+def residual_scale(lr, previous_lr):
+    """What dist-EF-SGD's and sketched SGD's learning-rate-scaled residuals are multiplied by at a
+    step: lr / the previous step's lr (float32), 1 at the first step."""
+    return np.float32(lr) / previous_lr if previous_lr > 0 else np.float32(1)
+
+
 class DistEFSGD:
     """dist-EF-SGD (shared/DESIGN.md) for n simulated workers on one flat tensor of d elements."""
 
@@ -111,14 +117,18 @@ class DistEFSGD:
         self.m = [np.zeros(d, np.float32) for _ in range(n)]
         self.e = [np.zeros(d, np.float32) for _ in range(n)]
         self.e_server = np.zeros(d, np.float32)
+        self.previous_lr = np.float32(0)
 
     def step(self, x, grads, lr, compressed=True):
-        """compressed=False: Accordion's uncompressed setting, x -= mean_i(a_i), e_i = 0, e_s kept."""
+        """compressed=False: Accordion's uncompressed setting, x -= mean_i(a_i), e_i = 0, e_s kept.
+        The residuals follow a learning-rate change: scaled by lr / the previous step's lr."""
+        scale = residual_scale(lr, self.previous_lr)
+        self.previous_lr = np.float32(lr)
         payloads, sents = [], []
         for i, g in enumerate(grads):
             self.m[i] = self.mu * self.m[i] + g
             p = self.mu * self.m[i] + g if self.nesterov else self.m[i]
-            a = np.float32(lr) * p + self.e[i]
+            a = np.float32(lr) * p + scale * self.e[i]
             if not compressed:
                 self.e[i] = np.zeros_like(a)
                 sents.append(a)
@@ -142,7 +152,7 @@ class DistEFSGD:
             shard_bits = [np.unpackbits(b, bitorder="little")[lo:hi] for b, _ in payloads]
             averaged = unpack_mean([np.packbits(b, bitorder="little") for b in shard_bits],
                                    [s[first:last] for _, s in payloads], local)
-            server_input = averaged + self.e_server[lo:hi]
+            server_input = averaged + scale * self.e_server[lo:hi]
             _, server_sent = compress(server_input, local)
             self.e_server[lo:hi] = server_input - server_sent
             update[lo:hi] = server_sent
@@ -210,11 +220,14 @@ class SketchedSGD:
         self.u = np.zeros(d, np.float32)
         self.e = np.zeros(d, np.float32)
         self.t = 0  # the step: hashes are drawn anew every step
+        self.previous_lr = np.float32(0)
 
     def step(self, x, g, lr):
+        scale = residual_scale(lr, self.previous_lr)
+        self.previous_lr = np.float32(lr)
         self.u = self.mu * self.u + g
         p = self.mu * self.u + g if self.nesterov else self.u
-        a = np.float32(lr) * p + self.e
+        a = np.float32(lr) * p + scale * self.e
         sketch = count_sketch(a, self.rows, self.cols, self.seed, self.t)
         estimate = count_sketch_query(sketch, self.d, self.seed, self.t)
         self.t += 1

@@ -402,7 +402,7 @@ def test_ops_have_no_gradient():
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([5]), 0.1, 0.9, False),
      tf.errors.InvalidArgumentError, "one shape"),
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([4]), [0.1, 0.2], 0.9, False),
-     tf.errors.InvalidArgumentError, "lr and momentum must be scalars"),
+     tf.errors.InvalidArgumentError, "lr, momentum and residual_scale must be scalars"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
@@ -536,21 +536,26 @@ def test_fused_ops_write_in_place_as_they_would_into_fresh_buffers():
 
 @SETTINGS
 @given(n=st.integers(0, 3 * ref.KCHUNK + 5), momentum=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
-       nesterov=st.booleans(), seed=st.integers(0, 2**16))
-def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, seed):
-    """The fused worker step rounds as the six TensorFlow ops it replaces (and as NumPy's float32)."""
+       nesterov=st.booleans(), seed=st.integers(0, 2**16), rescaled=st.booleans())
+def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, seed, rescaled):
+    """The fused worker step rounds as the TensorFlow ops it replaces (and as NumPy's float32); the
+    residual scale (a learning-rate change) multiplies e, and a scale of 1 leaves it exact."""
     rng = np.random.default_rng(seed)
     g, m, e = (rng.standard_normal(n).astype(np.float32) * np.float32(s) for s in (1, 3, 1e-3))
     lr = np.float32(rng.uniform(1e-3, 1))
-    m_new, a = ops.momentum_error_feed(tf.constant(g), m, e, lr, momentum, nesterov)
+    scale = np.float32(rng.uniform(1e-3, 2)) if rescaled else np.float32(1)
+    m_new, a = ops.momentum_error_feed(tf.constant(g), m, e, lr, momentum, nesterov, scale)
     want_m = np.float32(momentum) * m + g
-    want_a = lr * (np.float32(momentum) * want_m + g if nesterov else want_m) + e
+    want_a = lr * (np.float32(momentum) * want_m + g if nesterov else want_m) + scale * e
     np.testing.assert_array_equal(m_new.numpy(), want_m)
     np.testing.assert_array_equal(a.numpy(), want_a)
     tf_m = momentum * tf.constant(m) + g
-    tf_a = lr * (momentum * tf_m + g if nesterov else tf_m) + e
+    tf_a = lr * (momentum * tf_m + g if nesterov else tf_m) + scale * tf.constant(e)
     np.testing.assert_array_equal(m_new.numpy(), tf_m.numpy())
     np.testing.assert_array_equal(a.numpy(), tf_a.numpy())
-    # momentum as a tensor (a tape's exchange may get one) gives the same bits
-    _, a_of_tensor = ops.momentum_error_feed(tf.constant(g), m, e, lr, tf.constant(momentum), nesterov)
+    if not rescaled:  # the rule before rescaling: bit for bit
+        np.testing.assert_array_equal(a.numpy(), lr * (np.float32(momentum) * want_m + g if nesterov else want_m) + e)
+    # momentum and the scale as tensors (a tape's exchange may get them) give the same bits
+    _, a_of_tensor = ops.momentum_error_feed(tf.constant(g), m, e, lr, tf.constant(momentum), nesterov,
+                                             tf.constant(scale))
     np.testing.assert_array_equal(a_of_tensor.numpy(), want_a)

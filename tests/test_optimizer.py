@@ -111,9 +111,13 @@ def test_plain_error_feedback_under_adam(digits_runs):
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_a_non_finite_gradient_on_one_rank_reaches_every_rank(launcher):
+    """Every rank's weights become non-finite (dist-EF-SGD's update), or every rank stops with
+    hvd_compress's error (where the wrapped optimizer applies the exchanged gradient): never finite
+    in silence, and the same on every rank."""
     results = run_ranks("bad_input.py", "--mode=nan", np=2, launcher=launcher)
     assert results[0]["non_finite"] == results[1]["non_finite"]
     assert all(results[0]["non_finite"].values()), results[0]["non_finite"]
+    assert results[0]["non_finite"]["topk"] == "raised"
 
 
 def test_ranks_with_different_settings_fail_fast_with_a_clear_error():

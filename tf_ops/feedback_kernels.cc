@@ -24,12 +24,14 @@ class MomentumErrorFeedOp : public OpKernel {
     const Tensor& e = ctx->input(2);
     const Tensor& lr = ctx->input(3);
     const Tensor& momentum = ctx->input(4);
+    const Tensor& residual_scale = ctx->input(5);
     OP_REQUIRES(ctx, g.shape() == m.shape() && g.shape() == e.shape(),
                 InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
                                 m.shape().DebugString(), " and ", e.shape().DebugString()));
-    OP_REQUIRES(ctx, lr.dims() == 0 && momentum.dims() == 0,
-                InvalidArgument("lr and momentum must be scalars, got shapes ", lr.shape().DebugString(),
-                                " and ", momentum.shape().DebugString()));
+    OP_REQUIRES(ctx, lr.dims() == 0 && momentum.dims() == 0 && residual_scale.dims() == 0,
+                InvalidArgument("lr, momentum and residual_scale must be scalars, got shapes ",
+                                lr.shape().DebugString(), ", ", momentum.shape().DebugString(), " and ",
+                                residual_scale.shape().DebugString()));
     Tensor* m_new = nullptr;
     Tensor* a = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &m_new));
@@ -40,6 +42,7 @@ class MomentumErrorFeedOp : public OpKernel {
     float* m_out = m_new->flat<float>().data();
     float* a_out = a->flat<float>().data();
     const float rate = lr.scalar<float>()(), mu = momentum.scalar<float>()();
+    const float scale = residual_scale.scalar<float>()();
     const bool nesterov = nesterov_;
     ParallelFor(ctx, NumChunks(g.NumElements()), kChunk * 4, [&](int64_t first, int64_t last) {
       const int64_t end = std::min(last * kChunk, g.NumElements());
@@ -47,7 +50,7 @@ class MomentumErrorFeedOp : public OpKernel {
         const float grad = gp[i];  // read before a (which may be g's buffer) is written
         const float velocity = mu * mp[i] + grad;
         m_out[i] = velocity;
-        a_out[i] = rate * (nesterov ? mu * velocity + grad : velocity) + ep[i];
+        a_out[i] = rate * (nesterov ? mu * velocity + grad : velocity) + scale * ep[i];
       }
     });
   }

@@ -16,6 +16,7 @@ REGISTER_OP("MomentumErrorFeed")
     .Input("e: float")
     .Input("lr: float")
     .Input("momentum: float")
+    .Input("residual_scale: float")
     .Output("m_new: float")
     .Output("a: float")
     .Attr("nesterov: bool")
@@ -25,14 +26,18 @@ REGISTER_OP("MomentumErrorFeed")
       TF_RETURN_IF_ERROR(c->Merge(shape, c->input(2), &shape));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &unused));
       c->set_output(0, shape);
       c->set_output(1, shape);
       return absl::OkStatus();
     })
     .Doc(R"doc(
 m_new = momentum * m + g; p = momentum * m_new + g if nesterov else m_new;
-a = lr * p + e. Each product and sum rounded to float32 in this order, as the
-same TensorFlow ops would (no fused multiply-add), elementwise in one pass.
+a = lr * p + residual_scale * e (residual_scale = lr / the previous step's lr:
+the residual, kept in learning-rate-scaled units, follows a rate change). Each
+product and sum rounded to float32 in this order, as the same TensorFlow ops
+would (no fused multiply-add), elementwise in one pass; a scale of 1 leaves e
+exact.
 )doc");
 
 }  // namespace hvd_compress
