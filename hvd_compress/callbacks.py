@@ -35,10 +35,9 @@ def check_distributed_training(model, params, process_set=hvd.global_process_set
       join."""
     if process_set.size() == 1:
         return
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not is_distributed(optimizer):
+    if getattr(model, "optimizer", None) is not None and not is_distributed(model.optimizer):
         raise ValueError(
-            f"model.optimizer is a plain {type(getattr(optimizer, 'inner_optimizer', optimizer)).__name__} on "
+            f"model.optimizer is a plain {type(hc_optimizer(model)).__name__} on "
             f"{process_set.size()} ranks: each rank would train alone and the ranks drift apart. Compile the model "
             "with hvd_compress.DistributedOptimizer(optimizer, compression=...) (or load its file with "
             "hvd_compress.load_model, which wraps the saved optimizer); to train each rank alone on purpose, give "
@@ -55,8 +54,9 @@ def check_distributed_training(model, params, process_set=hvd.global_process_set
 
 
 class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
-    """What hvd_compress's callbacks share: check_distributed_training at on_train_begin (where
-    allow_undistributed is False)."""
+    """What BroadcastGlobalVariablesCallback and MetricAverageCallback share: check_distributed_training
+    at on_train_begin (where allow_undistributed is False), and the check that the first step went
+    through the wrapper."""
 
     def __init__(self, process_set=hvd.global_process_set, allow_undistributed=False):
         super().__init__()

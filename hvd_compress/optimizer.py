@@ -143,6 +143,7 @@ class GradientExchange(tf.Module):
         self.recall_totals = None  # [sum of recalls, sum of captured mass, steps] once measure_recall() ran
         self._replicated_variables = []  # this module's replicated state when no factory is given
         object.__setattr__(self, "rank_state", None)  # tracked by the holder (state.track)
+        object.__setattr__(self, "agreement", state.RanksAgreement())  # due at the first step of each plan
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
@@ -283,8 +284,6 @@ class GradientExchange(tf.Module):
                     f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
                     f"direct_update={self.direct_update} "
                     f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
-        if getattr(self, "agreement", None) is None:
-            object.__setattr__(self, "agreement", state.RanksAgreement())
         self.agreement.plan(settings, self.rank_state, self.process_set, self.collective_name,
                             None if previous_world is None else previous_world[1])
 
@@ -621,9 +620,9 @@ class _DistributedOptimizerMixin(WrapperCore):
         return isinstance(family, (OneBitCompressor, SketchCompressor)) and isinstance(self, sgd_classes())
 
     def build(self, var_list):
-        """Keras's build of the wrapped optimizer, then the exchange's plan and state, eagerly (its
-        plan runs a collective; Keras 3's LossScaleOptimizer builds its inner optimizer inside the
-        traced step)."""
+        """Keras's build of the wrapped optimizer, then the exchange's plan and state, eagerly (Keras 3's
+        LossScaleOptimizer builds its inner optimizer inside the traced step, and the state must outlive
+        that trace)."""
         var_list = list(var_list)
         if not var_list:  # Keras 3's .h5 loader builds with a Sequential's own (no) variables: wait for the step's
             return
