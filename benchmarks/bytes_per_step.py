@@ -10,8 +10,10 @@ For each method it runs `horovodrun -np N --gloo` on this machine and reports:
 - for sketches, the ring allreduce of r c + P k floats (+ the uncompressed ones);
 - the dist-EF-SGD formula 2 (n-1)/n d (1/8 + 4/B) for the compressed tensors
   (one-way: (n-1) d (1/8 + 4/B)) plus the ring allreduce of the uncompressed
-  ones, and how far the loopback measurement is from it;
+  ones (quantize, b bits: 2 (n-1)/n d (b/8 + 8/B), a scale and an offset per
+  block), and how far the loopback measurement is from it;
 - the median step time (forward, backward, exchange, update).
+Methods: hc.methods' names (their defaults) and this benchmark's VARIANTS.
 Writes results/bytes_per_step.json and prints a markdown table.
 """
 import json
@@ -27,13 +29,14 @@ from absl import app, flags  # noqa: E402
 
 import launch  # noqa: E402
 import results  # noqa: E402
+from hvd_compress import methods as registry  # noqa: E402
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
-flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_b256", "onebit_oneway", "topk", "randomk",
-                             "sketch4", "sketch32", "powersgd4"],
-                  "Methods to run.")
-flags.DEFINE_string("method", "fp32", "worker: the method.")
+flags.DEFINE_list("methods", ["none", "fp16", "onebit", "onebit_b256", "onebit_oneway", "quantize8", "quantize4",
+                             "topk", "randomk", "sketch", "sketch32", "powersgd"],
+                  "Methods to run: names of hc.methods' compressions (hc.methods.METHODS) or VARIANTS.")
+flags.DEFINE_string("method", "none", "worker: the method.")
 flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
 flags.DEFINE_integer("batch_size", 32, "Batch per rank.")
 flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
@@ -41,21 +44,9 @@ flags.DEFINE_string("out", "results/bytes_per_step.json", "launcher: the table's
 FLAGS = flags.FLAGS
 
 LAYERS = [1000, 2000, 2000, 2000, 10]  # 10.0M parameters
-
-
-def method_options(hc, method):
-    return {
-        "fp32": dict(compression=hc.Compression.none),
-        "fp16": dict(compression=hc.Compression.fp16),
-        "onebit": dict(compression=hc.Compression.onebit(), two_way=True),
-        "onebit_b256": dict(compression=hc.Compression.onebit(block_size=256), two_way=True),
-        "onebit_oneway": dict(compression=hc.Compression.onebit(), two_way=False),
-        "topk": dict(compression=hc.Compression.topk(ratio=0.01)),
-        "randomk": dict(compression=hc.Compression.randomk(ratio=0.01)),
-        "sketch4": dict(compression=hc.Compression.sketch(ratio=4)),
-        "sketch32": dict(compression=hc.Compression.sketch(ratio=32)),
-        "powersgd4": dict(compression=hc.Compression.powersgd(rank=4)),
-    }[method]
+#: this benchmark's methods beyond hc.methods' names: name -> (a name of hc.methods, its overrides)
+VARIANTS = {"onebit_b256": ("onebit", dict(block_size=256)), "sketch32": ("sketch", dict(ratio=32))}
+BASELINE = "none"  # fp32: Horovod's allreduce in hc.DistributedOptimizer
 
 
 def loopback_bytes():
@@ -75,8 +66,7 @@ def worker():
     hvd.init()
     tf.keras.utils.set_random_seed(0)
     model = launch.mlp(keras, LAYERS)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
-                                  **method_options(hc, FLAGS.method))
+    opt = launch.optimizer(hc, FLAGS.method, keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True), VARIANTS)
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size)
     hvd.allreduce(tf.zeros([1]), name="before").numpy()
     before, times = loopback_bytes(), []
@@ -88,22 +78,24 @@ def worker():
     measured = (loopback_bytes() - before) / FLAGS.steps / hvd.size()
 
     ex = opt.compression_exchange
-    n, layout = hvd.size(), ex.layout
+    n, layout, compression = hvd.size(), ex.layout, ex.compression
     compressed = sum(layout.sizes[i] for i in layout.compressed)
     dense = sum(layout.sizes[i] for i in layout.dense)
-    block = getattr(ex.compression, "block_size", None)
+    block = getattr(compression, "block_size", None)
     formula = None
-    if FLAGS.method.startswith("sketch"):  # ring allreduce of r c + P k floats, whatever n
+    if isinstance(compression, hc.Compression.sketch):  # ring allreduce of r c + P k floats, whatever n
         sketch = ex.exchanges[0]
         formula = 2 * (n - 1) / n * 4 * (sketch.rows * sketch.cols + sketch.num_candidates + dense)
-    if FLAGS.method.startswith("powersgd"):  # ring allreduces of P [n, r] and Q [m, r] per matrix
+    if isinstance(compression, hc.Compression.powersgd):  # ring allreduces of P [n, r] and Q [m, r] per matrix
         formula = 2 * (n - 1) / n * 4 * (sum(e.compressor.rank * sum(mat) for e in ex.exchanges
                                              for mat in e.matrices) + dense)
-    if FLAGS.method.startswith("onebit"):
+    if isinstance(compression, hc.Compression.onebit):
         num_blocks = sum(len(e.bounds) - 1 for e in ex.exchanges)
         bytes_per_element = 1 / 8 + 4 * num_blocks / compressed if block is None else 1 / 8 + 4 / block
-        factor = 2 * (n - 1) / n if ex.two_way else n - 1  # two-way: sharded server; one-way: allgather
+        factor = 2 * (n - 1) / n if compression.two_way else n - 1  # two-way: sharded server; one-way: allgather
         formula = factor * compressed * bytes_per_element + 2 * (n - 1) / n * 4 * dense
+    if isinstance(compression, hc.Compression.quantize):  # two-way, b-bit codes, a scale and an offset per block
+        formula = 2 * (n - 1) / n * (compressed * (compression.bits / 8 + 8 / block) + 4 * dense)
     if hvd.rank() == 0:
         pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
             method=FLAGS.method, ranks=n, params=int(sum(layout.sizes)), compressed=compressed,
@@ -114,6 +106,7 @@ def worker():
 def main(_):
     if FLAGS.role == "worker":
         return worker()
+    launch.check_names("bytes_per_step.py", "methods", FLAGS.methods, [*registry.METHODS, *VARIANTS])
     rows = []
     for ranks in map(int, FLAGS.ranks):
         for method in FLAGS.methods:
@@ -125,18 +118,44 @@ def main(_):
             print(f"n={ranks} {method}: accounted {r['accounted']:.0f} B, loopback {r['loopback']:.0f} B, "
                   f"step {r['step_ms']:.1f} ms", flush=True)
     print("\n| n | method | accounted bytes/step | loopback bytes/step | formula | loopback vs formula "
-          "| fp32 / ours | step ms | step vs fp32 |")
+          f"| fp32 / ours | step ms | step vs {launch.label(BASELINE)} |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        fp32 = next(x for x in rows if x["ranks"] == r["ranks"] and x["method"] == "fp32")
+        fp32 = next((x for x in rows if x["ranks"] == r["ranks"] and x["method"] == BASELINE), None)
+        step_versus = f"{r['step_ms'] / fp32['step_ms']:.2f}" if fp32 else "-"
         formula = f"{r['formula']:.0f}" if r["formula"] else "-"
         versus = f"{r['loopback'] / r['formula'] - 1:+.1%}" if r["formula"] else "-"
         print(f"| {r['ranks']} | {r['method']} | {r['accounted']:.0f} | {r['loopback']:.0f} | {formula} | "
               f"{versus} | {r['fp32_allreduce'] / r['accounted']:.1f}x | {r['step_ms']:.1f} | "
-              f"{r['step_ms'] / fp32['step_ms']:.2f} |")
+              f"{step_versus} |")
     print(f"\n{rows[0]['params']} parameters")
     results.save(FLAGS.out, rows)
+    publish(rows)
+
+
+def render(rows):
+    """The rows as docs/benchmarks.md shows them: accounted and loopback bytes per worker per step, the formula,
+    and the step time against fp32's at the same number of ranks."""
+    note = (f"{rows[0]['params']:,}-parameter MLP on loopback (Gloo); bytes per worker per step; median step "
+            "ms; step vs fp32: this step over fp32's at the same number of ranks.")
+    table_rows = []
+    for r in rows:
+        fp32 = next((x for x in rows if x["ranks"] == r["ranks"] and x["method"] in ("none", "fp32")), None)
+        table_rows.append([r["ranks"], r["method"], results.count(r["accounted"]), results.count(r["loopback"]),
+                           results.count(r["formula"]) if r["formula"] else "-",
+                           f"{r['loopback'] / r['formula'] - 1:+.1%}" if r["formula"] else "-",
+                           f"{r['fp32_allreduce'] / r['accounted']:.1f}x", f"{r['step_ms']:.1f}",
+                           f"{r['step_ms'] / fp32['step_ms']:.2f}" if fp32 else "-"])
+    table = results.markdown_table(["n", "method", "accounted", "loopback", "formula", "loopback vs formula",
+                                    "fp32 / method", "step ms", "step vs fp32"], table_rows,
+                                   align=["r", "l"] + ["r"] * 7)
+    return f"{note}\n\n{table}"
+
+
+def publish(rows):
+    """The table in docs/benchmarks.md: bytes_per_step."""
+    results.publish("bytes_per_step", render(rows), results.command_line(), source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

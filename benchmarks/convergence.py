@@ -4,8 +4,10 @@
 
 Runs examples/keras_digits.py (and examples/keras_accordion.py for Accordion)
 under horovodrun (Gloo) with the same seed, epochs, batch and learning rate,
-prints a markdown table (final test accuracy, bytes one worker sent, and the
-ratio to Horovod's fp32 allreduce), writes results/convergence.json and
+for methods by hc.methods' names (keras_digits.py --compression=<name>; none
+is Horovod's fp32 allreduce in our wrapper) and `accordion` (PowerSGD rank
+4 <-> 1), prints a markdown table (final test accuracy, bytes one worker sent,
+and the ratio to none's, Horovod's fp32 allreduce), writes results/convergence.json and
 draws docs/img/convergence.png (test accuracy against bytes and epochs).
 SGP's per-epoch accuracy is rank 0's own model; its final one the consensus.
 """
@@ -14,37 +16,39 @@ from absl import app, flags
 
 import launch
 import results
+from hvd_compress import methods as registry
 
 flags.DEFINE_integer("ranks", 2, "Ranks.")
 flags.DEFINE_integer("epochs", 16, "Epochs of every run.")
 flags.DEFINE_integer("seed", 0, "Seed of every run.")
-flags.DEFINE_list("methods", ["fp32", "fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "powersgd",
-                              "sgp", "accordion"], "Methods.")
+flags.DEFINE_list("methods", ["none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4", "topk", "randomk",
+                              "sketch", "fetchsgd", "powersgd", "sgp", "accordion"],
+                  "Methods: names of hc.methods that examples/keras_digits.py takes, or accordion.")
 flags.DEFINE_string("out", "results/convergence.json", "The runs' JSON.")
 flags.DEFINE_string("plot", "docs/img/convergence.png", "The figure.")
 FLAGS = flags.FLAGS
 
-#: method -> (example script, its flags)
-METHODS = {
-    "fp32": ("keras_digits.py", ["--compression=none"]),
-    "fp16": ("keras_digits.py", ["--compression=fp16"]),
-    "onebit": ("keras_digits.py", ["--compression=onebit", "--two_way"]),
-    "onebit_oneway": ("keras_digits.py", ["--compression=onebit", "--notwo_way"]),
-    "topk": ("keras_digits.py", ["--compression=topk", "--ratio=0.01"]),
-    "randomk": ("keras_digits.py", ["--compression=randomk", "--ratio=0.1"]),
-    "sketch": ("keras_digits.py", ["--compression=sketch", "--sketch_ratio=4"]),
-    "powersgd": ("keras_digits.py", ["--compression=powersgd", "--rank=4"]),
-    "sgp": ("keras_digits.py", ["--compression=sgp"]),
-    "accordion": ("keras_accordion.py", ["--mode=accordion", "--family=powersgd"]),
-}
+BASELINE = "none"  # Horovod's fp32 allreduce in hc.DistributedOptimizer
+#: keras_digits.py's flags that change a method's defaults in hc.methods, for this benchmark
+OVERRIDES = {"randomk": ["--ratio=0.1"]}
+#: this benchmark's runs that are not a method of hc.methods: name -> (example script, its flags)
+OTHER_RUNS = {"accordion": ("keras_accordion.py", ["--mode=accordion", "--family=powersgd"])}
+
+
+def example(method):
+    """(example script, its flags) that run `method`."""
+    if method in OTHER_RUNS:
+        return OTHER_RUNS[method]
+    return "keras_digits.py", [f"--compression={method}", *OVERRIDES.get(method, [])]
+
 
 def plot(runs, path):
     fig, (by_bytes, by_epoch) = results.figure(2, width=6.5)
     for method, r in runs.items():
         megabytes = [e["cumulative_bytes"] / 1e6 for e in r["epochs"]]
         accuracy = [e["test_accuracy"] for e in r["epochs"]]
-        by_bytes.plot(megabytes, accuracy, marker=".", label=method)
-        by_epoch.plot(range(1, len(accuracy) + 1), accuracy, marker=".", label=method)
+        by_bytes.plot(megabytes, accuracy, marker=".", label=launch.label(method))
+        by_epoch.plot(range(1, len(accuracy) + 1), accuracy, marker=".", label=launch.label(method))
     by_bytes.set(xscale="log", xlabel="MB sent per worker (log)", ylabel="test accuracy", ylim=(0.85, 1.0),
                  title=f"digits CNN, {FLAGS.ranks} ranks: accuracy versus bytes")
     by_epoch.set(xlabel="epoch", ylabel="test accuracy", ylim=(0.85, 1.0), title="accuracy per epoch")
@@ -52,22 +56,44 @@ def plot(runs, path):
     results.save_figure(fig, path)
 
 def main(_):
+    launch.check_names("convergence.py", "methods", FLAGS.methods,
+                       [*(name for name in registry.NAMES if not name.startswith("horovod_")), *OTHER_RUNS])
     runs = {}
     for method in FLAGS.methods:
-        script, method_flags = METHODS[method]
+        script, method_flags = example(method)
         runs[method] = launch.run_example(script, FLAGS.ranks, method_flags + [
             f"--epochs={FLAGS.epochs}", f"--seed={FLAGS.seed}"])
         print(f"{method}: test accuracy {runs[method]['test_accuracy']:.4f}, "
               f"{runs[method]['total_bytes'] / 1e6:.3f} MB", flush=True)
-    fp32 = runs.get("fp32")
+    fp32 = runs.get(BASELINE)
     print(f"\n{FLAGS.ranks} ranks, {FLAGS.epochs} epochs, seed {FLAGS.seed}\n\n"
-          "| method | final test accuracy | MB sent per worker | fp32 bytes / method bytes |")
+          f"| method | final test accuracy | MB sent per worker | {launch.label(BASELINE)} bytes / method bytes |")
     print("|---|---:|---:|---:|")
     for method, r in runs.items():
         ratio = f"{fp32['total_bytes'] / r['total_bytes']:.1f}x" if fp32 else "-"
         print(f"| {method} | {r['test_accuracy']:.4f} | {r['total_bytes'] / 1e6:.3f} | {ratio} |")
     results.save(FLAGS.out, runs)
+    publish(runs)
     plot(runs, FLAGS.plot)
 
+
+def render(runs):
+    """The runs as docs/benchmarks.md shows them: final test accuracy, bytes one worker sent, ratio to fp32."""
+    fp32 = runs.get("none") or runs.get("fp32")  # fp32 allreduce (files from before hc.methods' names: fp32)
+    first = next(iter(runs.values()))
+    note = f"digits CNN, {first['ranks']} ranks, {len(first['epochs'])} epochs; bytes: those one worker sent over the run."
+    table = results.markdown_table(
+        ["method", "final test accuracy", "MB sent per worker", "fp32 bytes / method bytes"],
+        [[method, f"{r['test_accuracy']:.4f}", f"{r['total_bytes'] / 1e6:.3f}",
+          f"{fp32['total_bytes'] / r['total_bytes']:.1f}x" if fp32 else "-"] for method, r in runs.items()])
+    return f"{note}\n\n{table}"
+
+
+def publish(runs):
+    """The table in docs/benchmarks.md: convergence_<n>ranks."""
+    ranks = next(iter(runs.values()))["ranks"]
+    results.publish(f"convergence_{ranks}ranks", render(runs), results.command_line(), source=FLAGS.out)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -16,6 +16,34 @@ import tempfile
 import time
 
 
+#: Human-readable names of the methods (hc.methods' names, the benchmarks' own variants) for table
+#: headers and notes; a method not listed is its own label.
+LABELS = {
+    "horovod_fp32": "Horovod fp32", "horovod_fp16": "Horovod fp16", "none": "our fp32", "fp16": "our fp16",
+    "onebit": "onebit two-way", "onebit_oneway": "onebit one-way", "quantize8": "8-bit quantize",
+    "quantize4": "4-bit quantize", "sgp": "SGP",
+}
+
+
+def label(method):
+    """The human-readable name of a method (LABELS), or the name itself."""
+    return LABELS.get(method, method)
+
+
+def optimizer(hc, method, base_optimizer, variants=None):
+    """`base_optimizer` wrapped as `method` trains: one of hc.methods.NAMES, or a variant of the
+    benchmark's own (`variants`: name -> (a name of hc.methods, the overrides of its arguments))."""
+    name, overrides = (variants or {}).get(method, (method, {}))
+    return hc.methods.distributed_optimizer(name, base_optimizer, overrides=overrides)
+
+
+def check_names(script, what, chosen, known):
+    """Exits with status 1 and a message where `chosen` (names of methods, models...) holds one not in `known`."""
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        sys.exit(f"{script}: unknown {what} {unknown}; known: {list(known)}")
+
+
 def mlp(keras, layers):
     """A ReLU MLP with these layer widths (input first, logits last)."""
     return keras.Sequential([keras.layers.Input((layers[0],))] + [
@@ -95,7 +123,7 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
     launcher would (horovod.runner.gloo_run.create_run_env_vars and create_slot_env_vars), and
     starts it with net.command(rank, ...). Every rank gets an equal share of the CPU cores for
     TensorFlow's intra-op threads, and `inter_op_threads` threads to run independent ops at once
-    (with one, TensorFlow runs the backward pass to its end before any exchange op: docs/design.md,
+    (with one, TensorFlow runs the backward pass to its end before any exchange op: docs/architecture.md,
     "Buckets and overlap"). All ranks are killed at the first failure or after `timeout`
     seconds, and the error carries the end of their logs; `what` names the job in it.
     """

@@ -9,8 +9,8 @@ them by lr_t / lr_{t-1} in the step. This trains the bundled digits CNN (Nestero
 momentum 0.9, two-way onebit, 2 Gloo ranks, each its own shard) under two schedules:
   step:   lr 0.1*size (--lr) for the first half of the epochs, then 0.001*size (LearningRateScheduler);
   cosine: CosineDecay from 0.1*size to 1e-5 of it over the run;
-with three methods:
-  fp32:            hc.Compression.none (Horovod-style uncompressed SGD);
+with three methods (hc.methods' names, and one variant):
+  none:            hc.Compression.none (Horovod-style uncompressed SGD);
   onebit:          hc.Compression.onebit(), hvd_compress's rule (residuals rescaled by new/old);
   onebit_paper:    the same, plus a callback that, before every batch whose learning rate differs
                    from the previous batch's, multiplies every residual (worker e_i, server shards
@@ -18,7 +18,7 @@ with three methods:
 Per epoch it records rank 0's test accuracy, the L2 norm of the weights' change over the epoch
 (of all weights, and of the compressed tensors alone), the learning rate and rank 0's residual
 norm; it prints a markdown table (final accuracy, movement in the first epoch after the drop and
-in the last epoch) and writes results/onebit_rate_change.json. At --lr=0.1, fp32 SGD sometimes
+in the last epoch) and writes results/onebit_rate_change.json. At --lr=0.1, fp32 SGD (none) sometimes
 diverges on this model (a seed's step or cosine run); --lr=0.05 gives a stable baseline.
 """
 import os
@@ -38,13 +38,14 @@ flags.DEFINE_integer("ranks", 2, "Ranks.")
 flags.DEFINE_integer("epochs", 12, "Epochs of every run (step schedule: the drop after half of them).")
 flags.DEFINE_list("seeds", ["0", "1", "2", "3"], "Seeds (split, initial weights, shuffling).")
 flags.DEFINE_list("schedules", ["step", "cosine"], "Learning-rate schedules.")
-flags.DEFINE_list("methods", ["fp32", "onebit_paper", "onebit"], "Methods.")
+flags.DEFINE_list("methods", ["none", "onebit_paper", "onebit"], "Methods: names of hc.methods' compressions, or "
+                  "onebit_paper.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.1, "Learning rate per rank (times the ranks); the step schedule divides it by 100.")
 flags.DEFINE_string("out", "results/onebit_rate_change.json", "The runs' JSON.")
 # worker mode: one run
 flags.DEFINE_string("schedule", "step", "worker: the schedule.")
-flags.DEFINE_string("method", "fp32", "worker: the method.")
+flags.DEFINE_string("method", "none", "worker: the method.")
 flags.DEFINE_integer("seed", 0, "worker: the seed.")
 flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
 FLAGS = flags.FLAGS
@@ -52,6 +53,9 @@ FLAGS = flags.FLAGS
 #: rest (biases, the first conv kernel, the last dense kernel) are averaged in fp32 and updated by Keras SGD,
 #: whose velocity holds lr-scaled steps. weight_change_large: the movement of the compressed ones only.
 LARGE = 1024
+#: this benchmark's methods beyond hc.methods' names: name -> the name of hc.methods it trains with (and
+#: the paper's rule, KeepResiduals, on top)
+VARIANTS = {"onebit_paper": "onebit"}
 
 
 def worker():
@@ -116,8 +120,8 @@ def worker():
     else:
         lr = keras.optimizers.schedules.CosineDecay(FLAGS.lr * size, epochs * steps, alpha=1e-5)
     sgd = keras.optimizers.SGD(lr, momentum=0.9, nesterov=True)
-    compression = hc.Compression.none if FLAGS.method == "fp32" else hc.Compression.onebit()
-    model.compile(optimizer=hc.DistributedOptimizer(sgd, compression=compression, two_way=True),
+    compression = hc.methods.compression(VARIANTS.get(FLAGS.method, FLAGS.method))
+    model.compile(optimizer=hc.DistributedOptimizer(sgd, compression=compression),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     rescale = KeepResiduals() if FLAGS.method == "onebit_paper" else None
     record = Record(x_test, y_test)
@@ -160,6 +164,9 @@ def table(runs):
 def main(_):
     if FLAGS.role == "worker":
         return worker()
+    from hvd_compress import methods as registry
+
+    launch.check_names("onebit_rate_change.py", "methods", FLAGS.methods, [*registry.METHODS, *VARIANTS])
     os.environ.update(HOROVOD_CYCLE_TIME="0.1", TF_CPP_MIN_LOG_LEVEL="2")
     print(launch.load_before(), flush=True)
     runs, begin = [], time.monotonic()
@@ -179,7 +186,50 @@ def main(_):
     table(runs)
     results.save(FLAGS.out, dict(epochs=FLAGS.epochs, ranks=FLAGS.ranks, batch_size=FLAGS.batch_size,
                                  lr_per_rank=FLAGS.lr, runs=runs))
+    publish(dict(epochs=FLAGS.epochs, ranks=FLAGS.ranks, batch_size=FLAGS.batch_size, lr_per_rank=FLAGS.lr,
+                 runs=runs))
+
+
+def learning_rate(data):
+    """The learning rate per rank of a saved run (older files kept {"high": ..., "low": ...})."""
+    lr = data["lr_per_rank"]
+    return lr["high"] if isinstance(lr, dict) else lr
+
+
+def render(data):
+    """The runs as docs/benchmarks.md shows them: per schedule and method, the final test accuracy and the
+    weights' movement (L2 norm of their change over an epoch) after the step schedule's drop and in the
+    last epoch, mean ± sd over the seeds [per seed]."""
+    runs, drop = data["runs"], data["epochs"] // 2
+    seeds = sorted({r["seed"] for r in runs})
+    note = (f"digits CNN, {data['ranks']} ranks, {data['epochs']} epochs, lr {learning_rate(data):g} per rank "
+            f"(times the ranks), seeds {', '.join(map(str, seeds))}: mean ± sd [per seed]. onebit: residuals "
+            "rescaled with the rate (hvd_compress's rule); onebit_paper: kept (the paper's rule). Movement: all "
+            "weights / the compressed tensors only.")
+
+    def cell(values, fmt="{:.3g}"):
+        return f"{mean_sd(values)} [{', '.join(fmt.format(v) for v in values)}]"
+
+    rows = []
+    for schedule in dict.fromkeys(r["schedule"] for r in runs):
+        for method in dict.fromkeys(r["method"] for r in runs):
+            rs = [r for r in runs if r["schedule"] == schedule and r["method"] == method]
+            if not rs:
+                continue
+            moved = [" / ".join(mean_sd([r["epochs"][epoch][key] for r in rs])
+                                for key in ("weight_change", "weight_change_large"))
+                     if schedule == "step" or epoch == -1 else "-" for epoch in (drop, -1)]
+            rows.append([schedule, method, cell([r["test_accuracy"] for r in rs], "{:.4f}"), *moved])
+    table = results.markdown_table(["schedule", "method", "final test accuracy", "movement, epoch after the drop",
+                                    "movement, last epoch"], rows, align=["l", "l", "l", "r", "r"])
+    return f"{note}\n\n{table}"
+
+
+def publish(data):
+    """The table in docs/benchmarks.md: onebit_rate_change_lr<lr>."""
+    results.publish(f"onebit_rate_change_lr{learning_rate(data):g}", render(data), results.command_line(),
+                    source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -4,7 +4,7 @@
 
 Every figure is GB/s of float32 input (n * 4 bytes / median time), so a
 number near the copy's means the op runs at memory bandwidth. "stock TF" is
-the same computation written with tf.sign/cast/reshape/reduce ops, the way
+the same computation written with tf.sign/floor/cast/reshape/reduce ops, the way
 pure-Python compression plugins do it. Writes results/ops_throughput.json and
 prints a markdown table.
 """
@@ -19,12 +19,13 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import results  # noqa: E402
-from hvd_compress import ops  # noqa: E402
+from hvd_compress import ops, quantize_ops  # noqa: E402
 from hvd_compress.compression import Compression  # noqa: E402
 
 flags.DEFINE_list("sizes", ["1M", "16M", "64M"], "Tensor sizes in floats (K/M suffixes).")
 flags.DEFINE_integer("repeats", 7, "Timed calls per figure (the median is reported).")
-flags.DEFINE_integer("ranks", 4, "Payloads averaged by unpack_mean.")
+flags.DEFINE_integer("ranks", 4, "Payloads averaged by unpack_mean and quantize's decode_mean.")
+flags.DEFINE_integer("quantize_block", 256, "Block size of the quantize ops (Compression.quantize's default).")
 flags.DEFINE_float("topk_ratio", 0.01, "k / n for top-k.")
 flags.DEFINE_string("out", "results/ops_throughput.json", "Where to write the figures.")
 FLAGS = flags.FLAGS
@@ -65,6 +66,36 @@ def stock_momentum_error_feed(g, m, e, lr=0.1, momentum=0.9):
     return velocity, lr * (momentum * velocity + g) + e
 
 
+def stock_quantize_compress(x, bits, block, seed=(1, 2)):
+    """Compression.quantize's stochastic coding, 4-bit packing and residual with stock TF ops, on
+    [-1, block] rows (x padded with its last value, which leaves the last block's min and max as they are)."""
+    n, levels = tf.size(x), float(2**bits - 1)
+    rows = tf.reshape(tf.concat([x, tf.fill([(-n) % block], x[-1])], 0), [-1, block])
+    lo, hi = tf.reduce_min(rows, 1, keepdims=True), tf.reduce_max(rows, 1, keepdims=True)
+    scale, inv = (hi - lo) / levels, tf.math.divide_no_nan(levels, hi - lo)
+    u = tf.random.stateless_uniform(tf.shape(rows), seed)
+    q = tf.clip_by_value(tf.floor((rows - lo) * inv + u), 0.0, levels)
+    residual = tf.reshape(rows - (lo + q * scale), [-1])[:n]
+    codes = tf.cast(tf.reshape(q, [-1])[:n], tf.uint8)
+    if bits == 4:
+        pairs = tf.reshape(tf.pad(codes, [[0, n % 2]]), [-1, 2])
+        codes = tf.bitwise.bitwise_or(pairs[:, 0], tf.bitwise.left_shift(pairs[:, 1], 4))
+    return codes, tf.reshape(scale, [-1]), tf.reshape(lo, [-1]), residual
+
+
+def stock_quantize_decode_mean(packed, scales, offsets, n, bits, block):
+    """The mean of m payloads of stock_quantize_compress, decoded one by one with stock TF ops."""
+    decoded = []
+    for r in range(packed.shape[0]):
+        codes = packed[r]
+        if bits == 4:
+            codes = tf.reshape(tf.stack([tf.bitwise.bitwise_and(codes, 15), tf.bitwise.right_shift(codes, 4)], 1),
+                               [-1])
+        q = tf.reshape(tf.pad(tf.cast(codes[:n], tf.float32), [[0, (-n) % block]]), [-1, block])
+        decoded.append(tf.reshape(offsets[r][:, None] + q * scales[r][:, None], [-1])[:n])
+    return tf.reduce_mean(tf.stack(decoded), 0)
+
+
 def median_seconds(fn, *args):
     fn(*args)  # trace and warm up
     times = []
@@ -79,6 +110,26 @@ def median_seconds(fn, *args):
 def parse_size(text):
     scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1].upper(), 1)
     return int(text[:-1] if scale > 1 else text) * scale
+
+
+def quantize_cases(x, n):
+    """Compression.quantize's ops at 8 and 4 bits: stochastic coding with its residual in one op, and the
+    mean of --ranks payloads decoded in one pass; each beside stock TF ops doing the same."""
+    block = FLAGS.quantize_block
+    bounds = ops.block_bounds(n, block)
+    cases = {}
+    for bits in (8, 4):
+        stacked = [tf.stack([t] * FLAGS.ranks) for t in quantize_ops.block_quantize(x, bounds, bits, True, (1, 2))]
+        compress = f"quantize compress ({bits} bits, stochastic)"
+        mean = f"quantize decode_mean ({bits} bits, {FLAGS.ranks} payloads)"
+        cases[compress] = (
+            tf.function(lambda t, b=bits: quantize_ops.block_quantize_compress(t, bounds, b, True, (1, 2))), x)
+        cases[f"{compress}, stock TF"] = (tf.function(lambda t, b=bits: stock_quantize_compress(t, b, block)), x)
+        cases[mean] = (
+            tf.function(lambda p, s, o, b=bits: quantize_ops.block_quantize_decode_mean(p, s, o, bounds, b)), *stacked)
+        cases[f"{mean}, stock TF"] = (
+            tf.function(lambda p, s, o, b=bits: stock_quantize_decode_mean(p, s, o, n, b, block)), *stacked)
+    return cases
 
 
 def measure(n):
@@ -114,6 +165,7 @@ def measure(n):
         "pack with residual (block_sign_compress)": (
             tf.function(lambda t: ops.block_sign_compress(t, bounds=bounds)), x),
         "pack with residual, as pack + unpack + sub": (tf.function(lambda t: stock_compress(t, bounds)), x),
+        **quantize_cases(x, n),
         # dist-EF-SGD's worker step (Nesterov) in one pass, against the six TensorFlow ops it replaces.
         "momentum_error_feed": (tf.function(lambda g: ops.momentum_error_feed(g, m, e, 0.1, 0.9, True)), x),
         "momentum_error_feed, stock TF": (tf.function(lambda g: stock_momentum_error_feed(g, m, e)), x),
@@ -150,8 +202,29 @@ def main(_):
         copy = r["copy (DeepCopy)"]
         print(f"{s}: pack {r['pack'] / copy:.0%} of copy, {r['pack'] / r['pack, stock TF']:.1f}x stock TF; "
               f"unpack {r['unpack'] / copy:.0%} of copy, {r['unpack'] / r['unpack, stock TF']:.1f}x stock TF")
+        for bits in (8, 4):
+            name = f"quantize compress ({bits} bits, stochastic)"
+            mean = f"quantize decode_mean ({bits} bits, {FLAGS.ranks} payloads)"
+            print(f"{s}: {name} {r[name] / copy:.0%} of copy, {r[name] / r[name + ', stock TF']:.1f}x stock TF; "
+                  f"decode_mean {r[mean] / copy:.0%} of copy, {r[mean] / r[mean + ', stock TF']:.1f}x stock TF")
     results.save(FLAGS.out, figures)
+    publish(figures)
+
+
+def render(figures):
+    """The figures as docs/benchmarks.md shows them: GB/s of float32 input per op and size."""
+    sizes = list(figures["gb_per_s"])
+    names = list(figures["gb_per_s"][sizes[0]])
+    note = f"GB/s of float32 input (n x 4 bytes / median time), {figures['threads']} CPU threads."
+    table = results.markdown_table(["op", *sizes],
+                                   [[name, *(f"{figures['gb_per_s'][s][name]:.2f}" for s in sizes)] for name in names])
+    return f"{note}\n\n{table}"
+
+
+def publish(figures):
+    """The table in docs/benchmarks.md: ops_throughput."""
+    results.publish("ops_throughput", render(figures), results.command_line(), source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -9,8 +9,9 @@ computation each method adds, and Horovod's own cost of running a collective
 (copies into and out of its buffers, handing the op to its background thread
 and back). Per model (benchmarks/wire.py's mlp25m and digits_cnn) and method,
 a fresh process (this script, --role=worker) builds the model and the
-optimizer (wire.make_optimizer's table; sgd is the bare Keras SGD, no Horovod
-wrapper, the baseline; all on SGD(0.01, momentum 0.9, Nesterov)), compiles
+optimizer (wire.make_optimizer's: hc.methods' names and wire.py's variants;
+sgd is the bare Keras SGD, no Horovod wrapper, the baseline; all on SGD(0.01,
+momentum 0.9, Nesterov)), compiles
 launch.training_step on one random batch of --batch_size, runs it --warmup
 times, then:
 - step ms: the median wall time of --steps steps (step().numpy()), not profiled;
@@ -51,7 +52,7 @@ background thread, which runs collectives once per cycle (HOROVOD_CYCLE_TIME,
 1 ms by default): a chain of collectives (onebit's alltoall, then allgather)
 waits up to a cycle for each. What Horovod's thread does while the executor
 runs other ops (on a second core) is not in the collective column: only the
-executor's wait is. Horovod's DistributedOptimizer (fp32, fp16)
+executor's wait is. Horovod's DistributedOptimizer (horovod_fp32, horovod_fp16)
 skips its allreduce, fp16 casts included, where the process set has one rank
 (a tf.cond on size > 1: horovod.tensorflow._allreduce_cond); with
 --horovod_allreduce_at_size_1 (the default) this script makes it run them, as
@@ -89,7 +90,8 @@ import wire  # noqa: E402
 
 PHASES = ["compute", "encode", "collective", "decode", "apply"]
 BASELINE = "sgd"  # the bare Keras optimizer
-DEFAULT_METHODS = [BASELINE, "fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "topk", "randomk", "sketch", "powersgd"]
+DEFAULT_METHODS = [BASELINE, *wire.BASELINES, "none", "fp16", "onebit", "quantize8", "quantize4", "topk", "randomk",
+                   "sketch", "powersgd"]
 COLLECTIVE = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Alltoall|Broadcast|Reducescatter)")
 EXCHANGE_SCOPE = re.compile(r"(hc_exchange|Distributed\w*_Allreduce)(_\d+)?")
 STATE_SCOPE = "hc_state_update"
@@ -99,8 +101,8 @@ ASYNC_START, ASYNC_DONE = "ExecutorState::ProcessAsync::Start", "ExecutorState::
 flags.DEFINE_integer("profile_steps", 10, "Profiled steps (after the timed ones) for the phases.", lower_bound=1)
 flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter-op: always 1).")
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
-flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (fp32, fp16) run its "
-                  "allreduce and casts on one rank, where it otherwise skips them.")
+flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (horovod_fp32, "
+                  "horovod_fp16) run its allreduce and casts on one rank, where it otherwise skips them.")
 for name in ("methods", "models", "steps", "warmup", "batch_size", "timeout", "out"):
     flags.declare_key_flag(name)  # wire.py's, listed in --help
 FLAGS = flags.FLAGS
@@ -342,10 +344,8 @@ def print_table(model, rows):
 def main(_):
     if FLAGS.role == "worker":
         return worker()
-    known = [BASELINE, *wire.METHODS]
-    for name, chosen, allowed in (("methods", FLAGS.methods, known), ("models", FLAGS.models, wire.MODELS)):
-        if set(chosen) - set(allowed):
-            sys.exit(f"overhead.py: unknown {name} {sorted(set(chosen) - set(allowed))}; known: {allowed}")
+    launch.check_names("overhead.py", "methods", FLAGS.methods, [BASELINE, *wire.METHODS])
+    launch.check_names("overhead.py", "models", FLAGS.models, wire.MODELS)
     print(f"One rank, no network (Horovod size 1). Per method: the median of {FLAGS.steps} steps after "
           f"{FLAGS.warmup} warmup, then {FLAGS.profile_steps} profiled steps for the phases (ms, each the median "
           f"over them), {FLAGS.threads} intra-op and 1 inter-op TensorFlow thread. These are CPU timings: "
@@ -365,7 +365,7 @@ def main(_):
           "(error feedback, compression, casts); collective = Horovod's ops and the wait for them (on one rank: "
           "its own overhead, copies and cycle); decode = the exchange's ops after them; apply = the optimizer's "
           "updates and hvd_compress's residual / momentum / state assigns; runtime = the tf.function call "
-          "outside the ops. fp32 / fp16 (Horovod's DistributedOptimizer) "
+          "outside the ops. horovod_fp32 / horovod_fp16 (Horovod's DistributedOptimizer) "
           + ("run their allreduce here, which Horovod skips on one rank. " if FLAGS.horovod_allreduce_at_size_1
              else "skip their allreduce on one rank, as Horovod does. ")
           + "See the docstring of benchmarks/overhead.py.")
@@ -375,7 +375,31 @@ def main(_):
                                   horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1, out=FLAGS.out)
     print(f"\nReproduce with:\n    {command}")
     results.save(FLAGS.out, rows)
+    publish(rows)
+
+
+def render(rows):
+    """One model's rows as docs/benchmarks.md shows them: the unprofiled step, what it adds to plain SGD's,
+    and the profiled phases (ms)."""
+    baseline = next((r for r in rows if r["method"] == BASELINE), None)
+    r0 = rows[0]
+    note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']}, one rank (no network), "
+            f"{r0['intra_op_threads']} intra-op and 1 inter-op thread; step: median of {r0['steps']} steps after "
+            f"{r0['warmup']}; phases: medians over {r0['profile_steps']} profiled steps; ms.")
+    table = results.markdown_table(
+        ["method", "step", "added to plain SGD", *PHASES],
+        [[r["method"], f"{r['step_ms']:.1f}",
+          f"{r['step_ms'] - baseline['step_ms']:+.1f}" if baseline and r is not baseline else "-",
+          *(f"{r['phases_ms'][p]:.1f}" for p in PHASES)] for r in rows])
+    return f"{note}\n\n{table}"
+
+
+def publish(rows):
+    """The table of each model in docs/benchmarks.md: overhead_<model>."""
+    for model in dict.fromkeys(r["model"] for r in rows):
+        results.publish(f"overhead_{model}", render([r for r in rows if r["model"] == model]), results.command_line(),
+                        source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

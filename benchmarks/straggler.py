@@ -1,4 +1,4 @@
-"""Step time with one slow rank: allreduce SGD beside SGP and overlap SGP.
+"""Step time with one slow rank: allreduce SGD (hc.methods' none) beside SGP and overlap SGP.
 
     .venv/bin/python benchmarks/straggler.py [--ranks=4] [--delay_ms=100]
 
@@ -27,12 +27,16 @@ flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts t
 flags.DEFINE_integer("ranks", 4, "Ranks.")
 flags.DEFINE_integer("delay_ms", 100, "Sleep of the slow rank before each step.")
 flags.DEFINE_integer("steps", 30, "Timed steps.")
-flags.DEFINE_string("method", "allreduce", "worker: allreduce, sgp or sgp_overlap.")
+flags.DEFINE_string("method", "none", "worker: one of METHODS.")
 flags.DEFINE_integer("delay", 0, "worker: this run's delay in ms.")
 flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
 flags.DEFINE_string("out", "results/straggler.json", "launcher: the table's JSON.")
 FLAGS = flags.FLAGS
 LAYERS = [512, 1024, 1024, 10]  # 1.6M parameters
+#: this benchmark's methods beyond hc.methods' names: name -> (a name of hc.methods, its overrides)
+VARIANTS = {"sgp_overlap": ("sgp", dict(overlap=True))}
+#: allreduce (Horovod's fp32 in hc.DistributedOptimizer), gossip, gossip overlapping the next step
+METHODS = ("none", "sgp", "sgp_overlap")
 
 
 def worker():
@@ -45,8 +49,7 @@ def worker():
     tf.keras.utils.set_random_seed(0)
     model = launch.mlp(keras, LAYERS)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
-    opt = (hc.DistributedOptimizer(sgd) if FLAGS.method == "allreduce" else
-           hc.PushSumOptimizer(sgd, overlap=FLAGS.method == "sgp_overlap"))
+    opt = launch.optimizer(hc, FLAGS.method, sgd, VARIANTS)
     step = launch.warm_step(keras, model, opt, 32)
     times = []
     for _ in range(FLAGS.steps):
@@ -65,7 +68,7 @@ def main(_):
     if FLAGS.role == "worker":
         return worker()
     rows = []
-    for method in ("allreduce", "sgp", "sgp_overlap"):
+    for method in METHODS:
         for delay in (0, FLAGS.delay_ms):
             medians = launch.run_worker(__file__, FLAGS.ranks, [f"--method={method}", f"--delay={delay}",
                                                                 f"--steps={FLAGS.steps}"])
@@ -76,12 +79,34 @@ def main(_):
           "(fastest rank / slowest rank)\n")
     print("| method | no straggler | straggler | added by the straggler |")
     print("|---|---:|---:|---:|")
-    for method in ("allreduce", "sgp", "sgp_overlap"):
+    for method in METHODS:
         calm, slow = [r["median_step_ms"] for r in rows if r["method"] == method]
         print(f"| {method} | {min(calm):.1f} / {max(calm):.1f} | {min(slow):.1f} / {max(slow):.1f} | "
               f"{min(slow) - min(calm):.1f} |")
     results.save(FLAGS.out, rows)
+    publish(rows)
+
+
+def render(rows):
+    """The rows as docs/benchmarks.md shows them: median step ms, fastest / slowest rank, without and with the
+    straggler."""
+    delay = max(r["delay_ms"] for r in rows)
+    note = (f"{len(rows[0]['median_step_ms'])} ranks, 1.6M-parameter MLP; rank 1 sleeps {delay} ms before every "
+            "step; median step ms, fastest rank / slowest rank.")
+    table_rows = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        calm, slow = ([r["median_step_ms"] for r in rows if r["method"] == method and r["delay_ms"] == d][0]
+                      for d in (0, delay))
+        table_rows.append([method, f"{min(calm):.1f} / {max(calm):.1f}", f"{min(slow):.1f} / {max(slow):.1f}",
+                           f"{min(slow) - min(calm):.1f}"])
+    table = results.markdown_table(["method", "no straggler", "straggler", "added by the straggler"], table_rows)
+    return f"{note}\n\n{table}"
+
+
+def publish(rows):
+    """The table in docs/benchmarks.md: straggler."""
+    results.publish("straggler", render(rows), results.command_line(), source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -1,18 +1,19 @@
 """Wall-clock time to a test accuracy on a real shaped link: N ranks, each in its own network namespace.
 
     sudo .venv/bin/python benchmarks/time_to_accuracy.py           # 1gbit,10gbit x 2,4 ranks, 7 methods
-    .venv/bin/python benchmarks/time_to_accuracy.py --rates=10gbit --ranks=2 --methods=fp32,onebit --epochs=2
+    .venv/bin/python benchmarks/time_to_accuracy.py --rates=10gbit --ranks=2 --methods=horovod_fp32,onebit --epochs=2
 
 Needs root (it exits with status 2 and says why otherwise). The network and
 the launching are wire.py's: for every rate and number of ranks N,
 netns.Network(N, rate) gives rank i its own namespace and a veth shaped to the
 rate in both directions, and launch.run_in_namespaces starts the ranks through
 Horovod's RendezvousServer with a hard timeout per job (--timeout). The
-methods are wire.make_optimizer's (fp32 and fp16 are Horovod's own
-DistributedOptimizer; hc_fp32 (the same fp32 allreduce in hvd_compress's
-wrapper, whose SGD update runs in fused kernels, as in every hc method: it
-separates that from what compression buys), hc_fp16, onebit (two-way), topk
-(1%) and powersgd (rank 4) hvd_compress's). Flags this script shares with wire.py (--rates, --ranks,
+methods are wire.make_optimizer's, by hc.methods' names (horovod_fp32 and
+horovod_fp16 are Horovod's own DistributedOptimizer; none (the same fp32
+allreduce in hvd_compress's wrapper, whose SGD update runs in fused kernels, as
+in every hc method: it separates that from what compression buys), fp16,
+onebit (two-way), topk (1%) and powersgd (rank 4) hvd_compress's; any other of
+wire.METHODS, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
 --methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
@@ -65,7 +66,7 @@ reaches the target, so it is exact to --eval_every steps. The target is, per
 rate and N, the final test accuracy of --reference (Horovod's fp16, run first
 in every network whether --methods lists it or not) minus --margin. Per rate,
 the table shows for every N and method: the seconds to target, how many times
-faster than Horovod fp16 and than fp32 in the same run (their seconds / this
+faster than Horovod fp16 and than Horovod fp32 in the same run (their seconds / this
 one's; "never" where the method did not reach the target), the steps to
 target, final accuracy and steps, the median step, and the bytes one worker
 sends per step by the exchange's own accounting (as wire.py counts them).
@@ -92,7 +93,7 @@ import results  # noqa: E402
 import wire  # noqa: E402  (defines the flags shared with it)
 
 flags.FLAGS.set_default("rates", ["1gbit", "10gbit"])
-flags.FLAGS.set_default("methods", ["fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "topk", "powersgd"])
+flags.FLAGS.set_default("methods", ["horovod_fp32", "horovod_fp16", "none", "fp16", "onebit", "topk", "powersgd"])
 flags.FLAGS.set_default("timeout", 1800)
 flags.FLAGS.set_default("out", "results/time_to_accuracy.json")
 flags.DEFINE_list("layers", ["64", "4096", "4096", "1024", "10"], "The MLP's widths, the 64 pixels first, "
@@ -102,8 +103,8 @@ flags.DEFINE_integer("epochs", 12, "Epochs of every run (each rank sees its shar
 flags.DEFINE_float("max_seconds", 600, "Training-clock budget of a run, checked at evaluations.")
 flags.DEFINE_integer("eval_every", 5, "Steps between two test evaluations.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights, the split and the data order.")
-flags.DEFINE_string("reference", "fp16", "The method whose final accuracy, less --margin, is the target; it "
-                    "runs first, whether --methods lists it or not.")
+flags.DEFINE_string("reference", "horovod_fp16", "The method whose final accuracy, less --margin, is the target; "
+                    "it runs first, whether --methods lists it or not.")
 flags.DEFINE_float("margin", 0.01, "Target = the reference's final test accuracy - margin.")
 flags.DEFINE_string("plot", "results/time_to_accuracy.png", "launcher: the figure.")
 FLAGS = flags.FLAGS
@@ -178,8 +179,8 @@ def run(net, method):
 
 def add_time_to_target(runs):
     """Adds target, seconds_to_target and steps_to_target (None where it was never reached) to every
-    run, and vs_<reference> and vs_fp32: their seconds to target / this one's, measured in the same
-    network (None where either never reached it or did not run)."""
+    run, and vs_<reference> and vs_fp32 (against horovod_fp32): their seconds to target / this one's,
+    measured in the same network (None where either never reached it or did not run)."""
     network = lambda r: (r["rate"], r["ranks"])  # noqa: E731
     for r in runs:
         same = {x["method"]: x for x in runs if network(x) == network(r)}
@@ -189,10 +190,10 @@ def add_time_to_target(runs):
         r["steps_to_target"] = reached["step"] if reached else None
     for r in runs:
         same = {x["method"]: x for x in runs if network(x) == network(r)}
-        for baseline in (FLAGS.reference, "fp32"):
+        for key, baseline in ((FLAGS.reference, FLAGS.reference), ("fp32", "horovod_fp32")):
             theirs = same.get(baseline, {}).get("seconds_to_target")
             ours = r["seconds_to_target"]  # 0 where the untrained model already reaches the target
-            r[f"vs_{baseline}"] = theirs / ours if theirs is not None and ours else None
+            r[f"vs_{key}"] = theirs / ours if theirs is not None and ours else None
 
 
 def print_table(rate, runs):
@@ -200,8 +201,8 @@ def print_table(rate, runs):
     for n in sorted({r["ranks"] for r in runs}):
         target = next(r["target"] for r in runs if r["ranks"] == n)
         print(f"- {n} ranks: target {target:.4f} = {FLAGS.reference}'s final test accuracy - {FLAGS.margin}")
-    print(f"\n| n | method | seconds to target | vs {FLAGS.reference} | vs fp32 | steps to target | final accuracy "
-          "| steps | median step ms | accounted bytes/step |")
+    print(f"\n| n | method | seconds to target | vs {launch.label(FLAGS.reference)} | vs {launch.label('horovod_fp32')} "
+          "| steps to target | final accuracy | steps | median step ms | accounted bytes/step |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     for r in runs:
@@ -232,9 +233,7 @@ def main(_):
     if FLAGS.role == "worker":
         return worker()
     methods = [FLAGS.reference] + [m for m in FLAGS.methods if m != FLAGS.reference]  # the target first
-    if set(methods) - set(wire.METHODS):
-        sys.exit(f"time_to_accuracy.py: unknown methods {sorted(set(methods) - set(wire.METHODS))}; "
-                 f"known: {wire.METHODS}")
+    launch.check_names("time_to_accuracy.py", "methods", methods, wire.METHODS)
     if len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10":
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
                  f"got {FLAGS.layers}.")
@@ -259,6 +258,7 @@ def main(_):
           f"{os.cpu_count()} CPU cores shared by the ranks; {quiet}.")
     print(f"\nReproduce with:\n    {command_line()}")
     results.save(FLAGS.out, runs)
+    publish(runs)
     plot(runs, FLAGS.plot)
 
 
@@ -271,5 +271,36 @@ def command_line():
                                out=FLAGS.out, plot=FLAGS.plot)
 
 
+
+def render(runs):
+    """One number of ranks' runs as docs/benchmarks.md shows them: every link, ratios taken in the same network."""
+    reference = next(key[3:] for key in runs[0] if key.startswith("vs_") and key != "vs_fp32")
+    name = launch.label(reference)
+    targets = "; ".join(f"{rate}: {r['target']:.4f}" for rate, r in {r["rate"]: r for r in runs}.items())
+    r0 = runs[0]
+    note = (f"{r0['ranks']} ranks, {r0['params']:,} parameters. Target: {name}'s final test accuracy less the margin "
+            f"({targets}). Seconds: the slowest rank's training clock at the first evaluation at or above the "
+            f"target.")
+    rows = []
+    for r in runs:
+        reached = r["seconds_to_target"] is not None
+        rows.append([r["rate"], r["method"], f"{r['seconds_to_target']:.1f}" if reached else "never",
+                     results.times(r[f"vs_{reference}"]), results.times(r["vs_fp32"]),
+                     r["steps_to_target"] if reached else "-", f"{r['final_accuracy']:.4f}",
+                     f"{1000 * r['median_step_s']:.0f}", results.count(r["accounted"])])
+    table = results.markdown_table(["link", "method", "seconds to target", f"vs {name}", "vs Horovod fp32",
+                                    "steps to target",
+                                    "final accuracy", "median step ms", "bytes/step/worker"], rows,
+                                   align=["l", "l"] + ["r"] * 7)
+    return f"{note}\n\n{table}"
+
+
+def publish(runs):
+    """The table of each number of ranks in docs/benchmarks.md: time_to_accuracy_<n>ranks."""
+    for n in dict.fromkeys(r["ranks"] for r in runs):
+        results.publish(f"time_to_accuracy_{n}ranks", render([r for r in runs if r["ranks"] == n]),
+                        results.command_line(), source=FLAGS.out)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -1,7 +1,7 @@
 """Step time and bytes per step on a real shaped link: N ranks, each in its own network namespace.
 
     sudo .venv/bin/python benchmarks/wire.py                         # 100mbit,1gbit,10gbit x 2,4 ranks
-    .venv/bin/python benchmarks/wire.py --rates=100mbit --ranks=2 --models=mlp25m --methods=fp32,fp16,onebit
+    .venv/bin/python benchmarks/wire.py --rates=100mbit --ranks=2 --models=mlp25m --methods=horovod_fp32,horovod_fp16,onebit
 
 Needs root (it exits with status 2 and says why otherwise). For every rate and
 number of ranks N it builds netns.Network(N, rate): rank i runs in namespace
@@ -22,12 +22,12 @@ traffic crosses the link (its background loop negotiates every cycle, about
 1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
 it TCP payload). Per model, N and method the table shows:
 - step ms: the median step (forward, backward, exchange, update) of the slowest rank;
-- step vs fp32, step vs Horovod fp16: their step / this step, measured in the
+- step vs Horovod fp32, step vs Horovod fp16: their step / this step, measured in the
   same run ("x faster"); Horovod's fp16 is what a user would otherwise pick;
 - accounted bytes/step: what one worker sends per step by the exchange's own
   accounting (hvd_compress: opt.compression_exchange.bytes_sent; SGP:
-  opt.pushsum.bytes_sent; Horovod's fp32 / fp16: the ring allreduce, 2 (n-1)/n
-  of the 4- / 2-byte payload);
+  opt.pushsum.bytes_sent; Horovod's fp32 / fp16 and our fp32 (none): the ring
+  allreduce, 2 (n-1)/n of the 4- / 2-byte payload);
 - veth tx bytes/step: what left the rank's veth (mean over ranks), Ethernet,
   IP and TCP headers included;
 - wire vs accounted: the TCP payload in those bytes (veth tx bytes minus
@@ -50,13 +50,16 @@ it TCP payload). Per model, N and method the table shows:
 Prints one markdown table per rate, the command that reproduces it, and
 writes every row (per-rank figures included) to --out.
 
-Methods (make_optimizer): fp32 and fp16 are Horovod's own
-horovod.tensorflow.keras.DistributedOptimizer; hc_fp32 (Horovod's fp32 allreduce in hc.DistributedOptimizer,
-whose wrapped SGD updates in fused kernels, as in every hc row), hc_fp16 (hvd_compress's own 16-bit exchange), onebit,
-onebit_oneway, topk,
-randomk, sketch (ratio 4), fetchsgd (ratio 4), topk_4x (top-k at their bytes on 2
-ranks, 1/8 of the coordinates) and powersgd are hc.DistributedOptimizer; sgp is
-hc.PushSumOptimizer; accordion_critical and accordion_calm are Accordion's
+Methods (make_optimizer): hvd_compress's registry, hc.methods (its names and
+defaults, through hc.methods.distributed_optimizer): horovod_fp32 and
+horovod_fp16 are Horovod's own horovod.tensorflow.keras.DistributedOptimizer;
+none (Horovod's fp32 allreduce in hc.DistributedOptimizer, whose wrapped SGD
+updates in fused kernels, as in every hc row), fp16 (hvd_compress's own 16-bit
+exchange), onebit (two-way), onebit_oneway, quantize8, quantize4, topk,
+randomk, sketch (ratio 4), fetchsgd (ratio 4) and powersgd are
+hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
+(VARIANTS, ACCORDION): topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
+of the coordinates); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
 (rank 1) regime, the regime detector's accumulation included. Models: mlp25m (25.2M parameters, communication-bound),
 mlp4m (4.2M, for the test), digits_cnn (examples/digits.py's CNN, 20k), all
@@ -78,11 +81,19 @@ from absl import app, flags  # noqa: E402
 import launch  # noqa: E402
 import netns  # noqa: E402
 import results  # noqa: E402
+from hvd_compress import methods as registry  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-# make_optimizer's table:
-METHODS = ["fp32", "fp16", "hc_fp32", "hc_fp16", "onebit", "onebit_oneway", "topk", "randomk", "sketch", "fetchsgd",
-           "topk_4x", "powersgd", "sgp", "accordion_critical", "accordion_calm"]
+#: this benchmark's methods beyond hc.methods' names: name -> (a name of hc.methods, its overrides)
+VARIANTS = {
+    # Top-k at the sketches' bytes on 2 ranks: 1/8 of the coordinates, values and indices, is d/4 floats.
+    "topk_4x": ("topk", dict(ratio=1 / 8)),
+}
+#: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
+ACCORDION = ("accordion_critical", "accordion_calm")
+BASELINES = ("horovod_fp32", "horovod_fp16")
+# make_optimizer's methods, Horovod's own first:
+METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 MODELS = [*MLPS, "digits_cnn"]
@@ -100,7 +111,7 @@ flags.DEFINE_bool("slow_start_after_idle", True, "Linux's default; false sets "
 flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, to measure Horovod's "
                    "own control traffic.")
 flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads per rank; 2 lets the last layers' exchange "
-                     "start during the backward pass (docs/design.md, \"Buckets and overlap\").", lower_bound=1)
+                     "start during the backward pass (docs/architecture.md, \"Buckets and overlap\").", lower_bound=1)
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
 flags.DEFINE_string("out", "results/wire.json", "launcher: the rows' JSON.")
@@ -115,51 +126,34 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer):
     worker sends per step by the exchange's own accounting (call it after the first step: hc's
     exchanges are built then).
 
-    hvd is horovod.tensorflow.keras. To add a method, add a line: (constructor, accounting).
+    hvd is horovod.tensorflow.keras. A method is hc.methods' (its name and defaults), a VARIANTS
+    entry (a name of hc.methods with other arguments) or one of ACCORDION.
     """
     from hvd_compress.exchange import allreduce_bytes
 
-    n = hvd.size()
-    hc_exchange = lambda opt, params: opt.compression_exchange.bytes_sent  # noqa: E731
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
     def ring(bytes_per_element):  # Horovod's own allreduce of every gradient
-        return lambda opt, params: allreduce_bytes(bytes_per_element * params, n)
+        return lambda opt, params: allreduce_bytes(bytes_per_element * params, hvd.size())
 
-    def distributed(**kwargs):
-        return lambda: hc.DistributedOptimizer(base_optimizer, **kwargs)
-
-    def accordion():  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
-        opt = hc.DistributedOptimizer(base_optimizer)
-        opt.compression_exchange.use_accordion(
-            hc.accordion.AdaptiveCompression(hc.Compression.powersgd(rank=4), hc.Compression.powersgd(rank=1)),
+    accounting = {
+        "horovod_fp32": ring(4), "horovod_fp16": ring(2),
+        # Horovod's fp32 allreduce through hvd_compress's wrapper: its only difference from horovod_fp32 is
+        # the wrapped SGD's update in TensorFlow's fused kernels (keras_compat.fused_sgd_update), as every
+        # hc row has. (fp16, hvd_compress's own 16-bit exchange, counts its own: fused F16C casts, each
+        # shard summed in float32 by its owner.)
+        "none": ring(4),
+        "sgp": lambda opt, params: opt.pushsum.bytes_sent,
+    }.get(method, lambda opt, params: opt.compression_exchange.bytes_sent)
+    if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
+        optimizer = hc.DistributedOptimizer(base_optimizer)
+        optimizer.compression_exchange.use_accordion(
+            hc.accordion.AdaptiveCompression(hc.methods.compression("powersgd", rank=4),
+                                             hc.methods.compression("powersgd", rank=1)),
             hc.accordion.RegimeDetector())
-        return opt
-
-    table = {
-        "fp32": (lambda: hvd.DistributedOptimizer(base_optimizer), ring(4)),
-        "fp16": (lambda: hvd.DistributedOptimizer(base_optimizer, compression=hvd.Compression.fp16), ring(2)),
-        # Horovod's fp32 allreduce through hvd_compress's wrapper: its only difference from fp32 is the
-        # wrapped SGD's update in TensorFlow's fused kernels (keras_compat.fused_sgd_update), as every hc row has.
-        "hc_fp32": (distributed(compression=hc.Compression.none), ring(4)),
-        # hvd_compress's own 16-bit exchange: fused F16C casts, each shard summed in float32 by its owner.
-        "hc_fp16": (distributed(compression=hc.Compression.fp16), hc_exchange),
-        "onebit": (distributed(compression=hc.Compression.onebit(), two_way=True), hc_exchange),
-        "onebit_oneway": (distributed(compression=hc.Compression.onebit(), two_way=False), hc_exchange),
-        "topk": (distributed(compression=hc.Compression.topk(ratio=0.01)), hc_exchange),
-        "randomk": (distributed(compression=hc.Compression.randomk(ratio=0.01)), hc_exchange),
-        "sketch": (distributed(compression=hc.Compression.sketch(ratio=4)), hc_exchange),
-        "fetchsgd": (distributed(compression=hc.Compression.sketch(ratio=4, mode="fetchsgd")), hc_exchange),
-        # Top-k at the sketches' bytes on 2 ranks: 1/8 of the coordinates, values and indices, is d/4 floats.
-        "topk_4x": (distributed(compression=hc.Compression.topk(ratio=1 / 8)), hc_exchange),
-        "powersgd": (distributed(compression=hc.Compression.powersgd(rank=4)), hc_exchange),
-        "sgp": (lambda: hc.PushSumOptimizer(base_optimizer), lambda opt, params: opt.pushsum.bytes_sent),
-        "accordion_critical": (accordion, hc_exchange),
-        "accordion_calm": (accordion, hc_exchange),
-    }
-    if method not in table:
-        raise ValueError(f"unknown method {method!r}; known: {sorted(table)}")
-    make, accounting = table[method]
-    optimizer = make()
+    else:
+        optimizer = launch.optimizer(hc, method, base_optimizer, VARIANTS)
     return optimizer, lambda num_params: float(accounting(optimizer, num_params))
 
 
@@ -266,10 +260,11 @@ def summarize(rate, model, method, ranks):
 
 
 def print_table(rate, rows):
-    """One markdown table per rate; "vs fp32" / "vs Horovod fp16": their step over this one, in the same run."""
+    """One markdown table per rate; "vs Horovod fp32" / "vs Horovod fp16": their step over this one, in the
+    same run."""
     print(f"\n### {rate}\n")
-    print("| model | n | method | step ms | step vs fp32 | step vs Horovod fp16 | accounted bytes/step "
-          "| veth tx bytes/step | wire vs accounted | fp32 bytes / method bytes |")
+    print(f"| model | n | method | step ms | {' | '.join(f'step vs {launch.label(b)}' for b in BASELINES)} "
+          "| accounted bytes/step | veth tx bytes/step | wire vs accounted | fp32 bytes / method bytes |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def faster_than(method):
@@ -277,8 +272,8 @@ def print_table(rate, rows):
                          and x["method"] == method), None)
             return f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
 
-        print(f"| {r['model']} | {r['ranks']} | {r['method']} | {r['step_ms']:.1f} | {faster_than('fp32')} | "
-              f"{faster_than('fp16')} | {r['accounted']:,.0f} | {r['veth_tx_bytes']:,.0f} | "
+        print(f"| {r['model']} | {r['ranks']} | {r['method']} | {r['step_ms']:.1f} | "
+              f"{' | '.join(faster_than(b) for b in BASELINES)} | {r['accounted']:,.0f} | {r['veth_tx_bytes']:,.0f} | "
               f"{r['wire_vs_accounted']:+.2%} | {r['fp32_allreduce'] / r['accounted']:.1f}x |")
 
 
@@ -294,9 +289,8 @@ def command_line():
 def main(_):
     if FLAGS.role == "worker":
         return worker()
-    for name, chosen, known in (("methods", FLAGS.methods, METHODS), ("models", FLAGS.models, MODELS)):
-        if set(chosen) - set(known):
-            sys.exit(f"wire.py: unknown {name} {sorted(set(chosen) - set(known))}; known: {known}")
+    launch.check_names("wire.py", "methods", FLAGS.methods, METHODS)
+    launch.check_names("wire.py", "models", FLAGS.models, MODELS)
     launch.prepare_network_run("wire.py", FLAGS.rates)
     quiet = launch.load_before()
     rows = []
@@ -322,7 +316,42 @@ def main(_):
           f"{'on (Linux default)' if FLAGS.slow_start_after_idle else 'off'}; {quiet}.")
     print(f"\nReproduce with:\n    {command_line()}")
     results.save(FLAGS.out, rows)
+    publish(rows)
+
+
+def render(rows):
+    """One model's rows as docs/benchmarks.md shows them: every link and number of ranks, ratios to Horovod's fp32
+    and fp16 taken in the same run (same link, model and ranks)."""
+    # Horovod's own optimizers: horovod_fp32 / horovod_fp16; fp32 / fp16 in files from before hc.methods' names
+    # (which called ours hc_fp32 / hc_fp16)
+    old = bool({r["method"] for r in rows} & {"fp32", "hc_fp32", "hc_fp16"})
+    horovod = {p: p if old else f"horovod_{p}" for p in ("fp32", "fp16")}
+
+    def versus(r, method):
+        base = next((x for x in rows if (x["rate"], x["ranks"], x["method"]) == (r["rate"], r["ranks"], method)), None)
+        return results.times(base["step_ms"] / r["step_ms"]) if base else "-"
+
+    r0 = rows[0]
+    note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']} per rank; median step of the slowest "
+            f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
+            f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}.")
+    table = results.markdown_table(
+        ["link", "n", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16", "accounted bytes/step",
+         "veth tx bytes/step", "wire vs accounted", "fp32 bytes / method bytes"],
+        [[r["rate"], r["ranks"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
+          versus(r, horovod["fp16"]),
+          results.count(r["accounted"]), results.count(r["veth_tx_bytes"]), f"{r['wire_vs_accounted']:+.2%}",
+          f"{r['fp32_allreduce'] / r['accounted']:.1f}x"] for r in rows],
+        align=["l", "r", "l"] + ["r"] * 7)
+    return f"{note}\n\n{table}"
+
+
+def publish(rows):
+    """The table of each model in docs/benchmarks.md: wire_<model>."""
+    for model in dict.fromkeys(r["model"] for r in rows):
+        results.publish(f"wire_{model}", render([r for r in rows if r["model"] == model]), results.command_line(),
+                        source=FLAGS.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(results.run(main, publish))

@@ -5,7 +5,8 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_accordion.py --mode high
 
 --family picks the compressor whose strength Accordion switches (PowerSGD
-rank 4 <-> 1 by default); --mode batch switches the batch size instead
+rank 4 <-> 1 by default; each setting a method of hc.methods with some of its
+arguments changed, SETTINGS); --mode batch switches the batch size instead
 (small <-> large per rank, at a fixed compression). The learning rate drops
 10x at each epoch in --lr_drops (a drop marks a critical regime). Prints the
 test accuracy and the total bytes one worker sent; --history writes the
@@ -21,10 +22,19 @@ import hvd_compress as hc
 
 import digits
 
+#: family -> (low, high), the critical-regime setting and the calm one: each a method of hc.methods and
+#: the arguments it changes
+SETTINGS = {
+    "powersgd": (("powersgd", dict(rank=4)), ("powersgd", dict(rank=1))),
+    "topk": (("topk", dict(ratio=0.1)), ("topk", dict(ratio=0.01))),
+    "randomk": (("randomk", dict(ratio=0.25)), ("randomk", dict(ratio=0.05))),
+    "sketch": (("sketch", dict(ratio=2)), ("sketch", dict(ratio=4))),
+    "onebit": (("none", {}), ("onebit", {})),
+}
+
 flags.DEFINE_enum("mode", "accordion", ["low", "high", "accordion", "batch"],
                   "Static low or high compression, Accordion between them, or Accordion's batch size.")
-flags.DEFINE_enum("family", "powersgd", ["powersgd", "topk", "randomk", "sketch", "onebit"],
-                  "Compressor family whose strength is switched.")
+flags.DEFINE_enum("family", "powersgd", list(SETTINGS), "Compressor family whose strength is switched (SETTINGS).")
 flags.DEFINE_float("eta", 0.5, "Accordion: relative norm change that marks a critical regime.")
 flags.DEFINE_integer("small_batch", 16, "--mode batch: batch per rank in critical regimes.")
 flags.DEFINE_integer("large_batch", 64, "--mode batch: batch per rank otherwise.")
@@ -35,15 +45,6 @@ flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights and shuffli
 flags.DEFINE_string("history", None, "Where rank 0 writes the per-epoch logs (JSON).")
 FLAGS = flags.FLAGS
 
-#: (low, high) compression of each family: the critical-regime setting and the calm one
-SETTINGS = {
-    "powersgd": lambda: (hc.Compression.powersgd(rank=4), hc.Compression.powersgd(rank=1)),
-    "topk": lambda: (hc.Compression.topk(ratio=0.1), hc.Compression.topk(ratio=0.01)),
-    "randomk": lambda: (hc.Compression.randomk(ratio=0.25), hc.Compression.randomk(ratio=0.05)),
-    "sketch": lambda: (hc.Compression.sketch(ratio=2), hc.Compression.sketch(ratio=4)),
-    "onebit": lambda: (hc.Compression.none, hc.Compression.onebit()),
-}
-
 
 def main(_):
     keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
@@ -53,7 +54,7 @@ def main(_):
     batch = FLAGS.small_batch if FLAGS.mode == "batch" else 32
     train, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), batch, FLAGS.seed)
 
-    low, high = SETTINGS[FLAGS.family]()
+    low, high = (hc.methods.compression(name, **arguments) for name, arguments in SETTINGS[FLAGS.family])
     lr = FLAGS.lr * hvd.size() * batch / 32  # the linear rule from --lr's batch of 32 per rank
     drops = sorted(int(e) for e in FLAGS.lr_drops)
     schedule = keras.callbacks.LearningRateScheduler(

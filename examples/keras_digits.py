@@ -2,10 +2,14 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_digits.py --compression onebit
 
+--compression is a method of hvd_compress's registry, hc.methods (its names and defaults; the
+flags below change some of them): none, fp16, onebit (two-way dist-EF-SGD), onebit_oneway,
+quantize8, quantize4, topk, randomk, powersgd, sketch, fetchsgd, or sgp, which trains with
+Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients and evaluates the
+consensus model at the end (per epoch: rank 0's own model). Horovod's own baselines
+(horovod_fp32, horovod_fp16) need tf_keras: see keras_text.py.
 Prints the test accuracy and the bytes each worker sent per step; --history writes the
-per-epoch logs (test accuracy, cumulative bytes per worker) as JSON. --compression sgp trains
-with Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients, and
-evaluates the consensus model at the end (per epoch: rank 0's own model).
+per-epoch logs (test accuracy, cumulative bytes per worker) as JSON.
 
 It runs in the Keras `tf.keras` is: Keras 3 by default, tf_keras under TF_USE_LEGACY_KERAS=1
 (hvd_compress takes either; its callbacks broadcast the initial state in both).
@@ -21,31 +25,39 @@ import hvd_compress as hc
 import digits
 from hvd_compress.exchange import allreduce_bytes
 
-flags.DEFINE_enum("compression", "onebit", ["none", "fp16", "onebit", "topk", "randomk", "sketch", "powersgd",
-                                          "sgp"], "Gradient compression (sgp: gossip instead).")
-flags.DEFINE_bool("two_way", True, "onebit: compress the averaged update again on a sharded server.")
-flags.DEFINE_integer("block_size", None, "onebit: elements per scale (default: one block per tensor).")
-flags.DEFINE_float("ratio", 0.01, "topk/randomk: fraction of each bucket sent.")
-flags.DEFINE_float("sketch_ratio", 4.0, "sketch: compression of bytes per step (sizes chosen from it).")
-flags.DEFINE_integer("rank", 4, "powersgd: rank of the approximation.")
+#: Horovod's own DistributedOptimizer needs tf_keras, and this example runs in whichever Keras tf.keras is
+METHODS = [name for name in hc.methods.NAMES if not name.startswith("horovod_")]
+flags.DEFINE_enum("compression", "onebit", METHODS, "Method of hc.methods (sgp: gossip instead of averaging).")
+flags.DEFINE_integer("block_size", None, "onebit, onebit_oneway, quantize8, quantize4: elements per scale "
+                     "(default: hc.methods', one block per tensor for onebit).")
+flags.DEFINE_float("ratio", None, "topk, randomk: fraction of each bucket sent (default: hc.methods').")
+flags.DEFINE_float("sketch_ratio", None, "sketch, fetchsgd: compression of bytes per step (default: hc.methods').")
+flags.DEFINE_integer("rank", None, "powersgd: rank of the approximation (default: hc.methods').")
+flags.DEFINE_bool("stochastic", None, "quantize8, quantize4: stochastic rounding (default: hc.methods').")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
-flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights and shuffling.")
+flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights, shuffling and the compressions that draw.")
 flags.DEFINE_string("history", None, "Where rank 0 writes the per-epoch logs (JSON).")
 FLAGS = flags.FLAGS
 
 
-def compression_from_flags():
-    return {
-        "none": lambda: hc.Compression.none,
-        "fp16": lambda: hc.Compression.fp16,
-        "onebit": lambda: hc.Compression.onebit(block_size=FLAGS.block_size),
-        "topk": lambda: hc.Compression.topk(ratio=FLAGS.ratio),
-        "randomk": lambda: hc.Compression.randomk(ratio=FLAGS.ratio, seed=FLAGS.seed),
-        "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed),
-        "powersgd": lambda: hc.Compression.powersgd(rank=FLAGS.rank, seed=FLAGS.seed),
-    }[FLAGS.compression]()
+#: flag -> (the argument of the compression it sets, the methods it applies to); an unset flag (None) keeps
+#: hc.methods' default
+FLAG_ARGUMENTS = {
+    "block_size": ("block_size", ("onebit", "onebit_oneway", "quantize8", "quantize4")),
+    "ratio": ("ratio", ("topk", "randomk")),
+    "sketch_ratio": ("ratio", ("sketch", "fetchsgd")),
+    "rank": ("rank", ("powersgd",)),
+    "stochastic": ("stochastic", ("quantize8", "quantize4")),
+    "seed": ("seed", ("quantize8", "quantize4", "randomk", "powersgd", "sketch", "fetchsgd")),
+}
+
+
+def overrides():
+    """What the flags change in --compression's arguments."""
+    return {argument: FLAGS[flag].value for flag, (argument, methods) in FLAG_ARGUMENTS.items()
+            if FLAGS.compression in methods and FLAGS[flag].value is not None}
 
 
 def main(_):
@@ -58,8 +70,7 @@ def main(_):
     model = digits.cnn(keras, FLAGS.seed)
     sgd = keras.optimizers.SGD(FLAGS.lr * hvd.size(), momentum=0.9, nesterov=True)
     gossip = FLAGS.compression == "sgp"
-    optimizer = (hc.PushSumOptimizer(sgd) if gossip else
-                 hc.DistributedOptimizer(sgd, compression=compression_from_flags(), two_way=FLAGS.two_way))
+    optimizer = hc.methods.distributed_optimizer(FLAGS.compression, sgd, overrides=overrides())
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -75,13 +86,13 @@ def main(_):
     sent = optimizer.pushsum.bytes_sent if gossip else optimizer.compression_exchange.bytes_sent
     fp32 = allreduce_bytes(4 * model.count_params(), hvd.size())
     if hvd.rank() == 0:
-        print(f"compression={FLAGS.compression} two_way={FLAGS.two_way} ranks={hvd.size()} "
+        print(f"compression={FLAGS.compression} ranks={hvd.size()} "
               f"test_accuracy={accuracy:.4f} bytes_per_step={sent:.0f} "
               f"fp32_allreduce_bytes_per_step={fp32:.0f} ratio={fp32 / max(sent, 1):.1f}x "
               f"total_MB={sent * steps * FLAGS.epochs / 1e6:.3f}")
         if FLAGS.history:
             with open(FLAGS.history, "w") as f:
-                json.dump(dict(compression=FLAGS.compression, two_way=FLAGS.two_way, ranks=hvd.size(),
+                json.dump(dict(compression=FLAGS.compression, arguments=overrides(), ranks=hvd.size(),
                                epochs=digits.epoch_logs(history, steps, bytes_per_step=sent),
                                test_accuracy=accuracy, total_bytes=sent * steps * FLAGS.epochs), f, indent=1)
 

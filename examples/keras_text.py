@@ -6,11 +6,13 @@
 The text is Python's own documentation, which ships with every Python (`pydoc_data.topics`):
 no download. The model predicts the next character from the previous CONTEXT characters:
 Embedding -> Dense -> Dense. Under the `mixed_float16` policy (default) `compile()` wraps
-the optimizer in a LossScaleOptimizer. --method picks the exchange: hvd_compress's `onebit`
-(two-way dist-EF-SGD), `topk`, `powersgd`, `sketch` (sketched SGD), `fetchsgd`, `none`, or
-`horovod_fp16` (Horovod's own
-DistributedOptimizer with Compression.fp16, the usual baseline). Rank 0 prints the test accuracy
-and the bytes each worker sent per step; --result writes them as JSON.
+the optimizer in a LossScaleOptimizer. --method picks the exchange by its name in
+hvd_compress's registry, hc.methods (its defaults; the flags below change some): `onebit`
+(two-way dist-EF-SGD), `onebit_oneway`, `quantize8`, `quantize4`, `topk`, `randomk`,
+`powersgd`, `sketch` (sketched SGD), `fetchsgd`, `none`, `fp16`, or Horovod's own
+DistributedOptimizer, `horovod_fp16` (with Compression.fp16, the usual baseline) or
+`horovod_fp32`. Rank 0 prints the test accuracy and the bytes each worker sent per step;
+--result writes them as JSON.
 """
 import os
 
@@ -28,19 +30,23 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 
-flags.DEFINE_enum("method", "onebit", ["onebit", "topk", "powersgd", "sketch", "fetchsgd", "none", "horovod_fp16"],
-                  "How gradients are exchanged.")
+#: hc.methods' names but gossip (sgp: examples/keras_digits.py)
+METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
+flags.DEFINE_enum("method", "onebit", METHODS, "How gradients are exchanged: a method of hc.methods.")
 flags.DEFINE_string("policy", "mixed_float16", "Keras mixed-precision policy.")
 flags.DEFINE_integer("epochs", 2, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Batch size per rank.")
 flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
 flags.DEFINE_integer("train_chars", 400_000, "Characters of text to train on.")
-flags.DEFINE_integer("block_size", 256, "onebit: elements per scale (0: one scale per tensor).")
-flags.DEFINE_float("topk_ratio", 0.01, "topk: the fraction of coordinates sent (1 / (2 R) sends as many bytes "
-                   "as the sketches at ratio R on 2 ranks).")
+flags.DEFINE_integer("block_size", 256, "onebit, onebit_oneway: elements per scale (0: one scale per tensor, "
+                     "hc.methods' default).")
+flags.DEFINE_float("topk_ratio", 0.01, "topk, randomk: the fraction of coordinates sent (1 / (2 R) sends as many "
+                   "bytes as the sketches at ratio R on 2 ranks).")
 flags.DEFINE_float("sketch_ratio", 4.0, "sketch, fetchsgd: compression of bytes per step.")
-flags.DEFINE_bool("apply_candidates", True, "sketch: apply every candidate's exact sum (False: the exact top-k).")
-flags.DEFINE_bool("mask_momentum", True, "sketch: zero the momentum where the update was applied.")
+flags.DEFINE_bool("apply_candidates", None, "sketch: apply every candidate's exact sum (False: the exact top-k).")
+flags.DEFINE_bool("mask_momentum", None, "sketch: zero the momentum where the update was applied.")
+flags.DEFINE_bool("stochastic", None, "quantize8, quantize4: stochastic rounding (False: to the nearest level).")
+flags.DEFINE_bool("error_feedback", None, "quantize8, quantize4: keep worker and server residuals.")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights and shuffling.")
 flags.DEFINE_string("result", None, "Where rank 0 writes accuracy and bytes (JSON).")
 FLAGS = flags.FLAGS
@@ -74,19 +80,29 @@ def model_for(keras, vocab_size):
     ])
 
 
+#: flag -> (the argument of the compression it sets, the methods it applies to)
+FLAG_ARGUMENTS = {
+    "block_size": ("block_size", ("onebit", "onebit_oneway")),
+    "topk_ratio": ("ratio", ("topk", "randomk")),
+    "sketch_ratio": ("ratio", ("sketch", "fetchsgd")),
+    "apply_candidates": ("apply_candidates", ("sketch",)),
+    "mask_momentum": ("mask_momentum", ("sketch",)),
+    "seed": ("seed", ("sketch", "fetchsgd")),
+    "stochastic": ("stochastic", ("quantize8", "quantize4")),
+    "error_feedback": ("error_feedback", ("quantize8", "quantize4")),
+}
+
+
+def overrides():
+    """What the flags change in --method's arguments (--block_size=0: hc.methods' default)."""
+    values = dict(FLAGS.flag_values_dict(), block_size=FLAGS.block_size or None)
+    return {argument: values[flag] for flag, (argument, methods) in FLAG_ARGUMENTS.items()
+            if FLAGS.method in methods and values[flag] is not None}
+
+
 def optimizer_for(keras):
     sgd = keras.optimizers.SGD(FLAGS.lr * hvd.size(), momentum=0.9, nesterov=True)
-    if FLAGS.method == "horovod_fp16":
-        return hvd.DistributedOptimizer(sgd, compression=hvd.Compression.fp16)
-    compression = {"onebit": lambda: hc.Compression.onebit(block_size=FLAGS.block_size or None),
-                   "topk": lambda: hc.Compression.topk(ratio=FLAGS.topk_ratio),
-                   "powersgd": lambda: hc.Compression.powersgd(rank=4),
-                   "sketch": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, seed=FLAGS.seed,
-                                                           apply_candidates=FLAGS.apply_candidates,
-                                                           mask_momentum=FLAGS.mask_momentum),
-                   "fetchsgd": lambda: hc.Compression.sketch(ratio=FLAGS.sketch_ratio, mode="fetchsgd", seed=FLAGS.seed),
-                   "none": lambda: hc.Compression.none}[FLAGS.method]()
-    return hc.DistributedOptimizer(sgd, compression=compression)
+    return hc.methods.distributed_optimizer(FLAGS.method, sgd, overrides=overrides())
 
 
 def main(_):
@@ -105,8 +121,8 @@ def main(_):
     model.fit(x[mine], y[mine], batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=True,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)], verbose=2 if hvd.rank() == 0 else 0)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0, batch_size=1024)
-    if FLAGS.method == "horovod_fp16":  # Horovod's ring allreduce of every gradient in 16 bits
-        sent = allreduce_bytes(2 * model.count_params(), hvd.size())
+    if FLAGS.method.startswith("horovod_"):  # Horovod's ring allreduce of every gradient in 16 or 32 bits
+        sent = allreduce_bytes((2 if FLAGS.method == "horovod_fp16" else 4) * model.count_params(), hvd.size())
     else:
         sent = optimizer.compression_exchange.bytes_sent
     result = dict(method=FLAGS.method, policy=FLAGS.policy, ranks=hvd.size(), test_accuracy=float(accuracy),

@@ -5,11 +5,12 @@ TF_USE_LEGACY_KERAS=1, which Horovod's own Keras layer needs). The wrapped optim
 """
 from hvd_compress.compression import Compression, Compressor
 from hvd_compress.keras_compat import require_legacy_keras
-from hvd_compress.optimizer import DistributedGradientTape, DistributedOptimizer, GradientExchange, load_model
-from hvd_compress import accordion, callbacks, elastic, gossip, state
+from hvd_compress.gradient_exchange import GradientExchange
+from hvd_compress.optimizer import DistributedGradientTape, DistributedOptimizer, load_model
+from hvd_compress import accordion, callbacks, compressor, elastic, exchange, gossip, methods, state
 from hvd_compress.gossip import PushSumOptimizer
 
 __version__ = "0.1.0"
 __all__ = ["accordion", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
-           "GradientExchange", "PushSumOptimizer", "callbacks", "elastic", "gossip", "load_model",
-           "require_legacy_keras", "state"]
+           "GradientExchange", "PushSumOptimizer", "callbacks", "compressor", "elastic", "exchange", "gossip",
+           "load_model", "methods", "require_legacy_keras", "state"]

@@ -16,11 +16,10 @@ the coming interval, the others the high-compression one (or the large
 batch). The norms are averaged over ranks (a few floats by allreduce) and the
 decision is broadcast from rank 0, so every rank runs the same collectives.
 
-Switching compression. `AdaptiveCompression(low, high)` makes the exchange
-plan both settings for every compressed tensor (one tensor per bucket, so
-each layer switches alone) and pick one per step with `tf.cond` on the
-detector's regime variable: a switch is a variable assignment, never a
-retrace. Error feedback
+Switching compression. `AdaptiveCompression(low, high)` plans, for every compressed
+tensor (one tensor per bucket, so each layer switches alone), an exchange.Switching of
+both settings' exchanges, which picks one per step with `tf.cond` on the detector's
+regime variable: a switch is a variable assignment, never a retrace. Error feedback
 is kept across a switch: the residual is whatever was not yet sent, under
 either setting, and the next step adds it back. Each setting keeps its own
 extra state (PowerSGD's warm-started Q per rank, the onebit server
@@ -40,7 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress.compression import NoneCompressor, StatefulCompressor
+from hvd_compress import exchange
+from hvd_compress.compressor import NoneCompressor, StatefulCompressor
 from hvd_compress.state import PER_RANK, REPLICATED, StateSpec
 
 log = logging.getLogger("hvd_compress.accordion")
@@ -78,6 +78,18 @@ class AdaptiveCompression(StatefulCompressor):
                              "Use the default mode='sketched', whose error is the worker's and survives a switch.")
         self.low, self.high = (None if _is_uncompressed(low) else low), high
         self.collective = high.collective
+        self.update_rule, self.sparse_update = high.update_rule, high.sparse_update
+        self.detector = None  # the RegimeDetector whose regimes choose (GradientExchange.use_accordion)
+
+    #: each compressed tensor is a bucket of its own, so each layer switches alone
+    fuses_tensors = False
+
+    def plan(self, bucket):
+        """Both settings' exchanges (collectives named .setting0 and .setting1), the detector's regime
+        of this bucket's tensor choosing: critical -> low."""
+        low, high = (exchange.plan(setting, bucket._replace(name=f"{bucket.name}.setting{k}"))
+                     for k, setting in enumerate(self.settings))
+        return exchange.Switching(low, high, lambda: self.detector.critical[bucket.index] > 0.5)
 
     @property
     def settings(self):

@@ -84,7 +84,7 @@ class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
 class BroadcastGlobalVariablesCallback(_DistributedTrainingCallback):
     """Horovod's BroadcastGlobalVariablesCallback for either Keras: at the start of training,
     before the first step, every rank takes rank `root_rank`'s model and optimizer variables (the
-    replicated state; per-rank state stays each rank's own: docs/design.md, "State scopes").
+    replicated state; per-rank state stays each rank's own: docs/state_and_checkpoints.md, "The three scopes").
     It runs when the first batch begins, after every callback's on_train_begin (Accordion's
     plans the exchange), and builds the optimizer first, so its slots exist and are broadcast too.
     A model that is not built yet (a Sequential without keras.Input, a subclassed model never

@@ -1,22 +1,21 @@
-"""How payloads travel between ranks, the state each exchange needs, and the bytes it costs.
+"""The exchange contract: how payloads travel between ranks, the state each exchange needs, and
+the bytes it costs.
 
-An exchange moves one fused bucket of error-fed values `flat` between ranks.
-It declares the state it needs (`state`: StateSpecs with a name, shape and
-scope, see state.py); the GradientExchange creates it once and passes it to
-every step as a dict of variables, with the step's `StepInfo` (its number and,
-in direct-update mode, the learning rate and momentum). A step gets the bucket's
-values as one flat tensor per variable and returns, per variable, this worker's
-residual and the mean update, with the new values of its state and (sketched
-SGD) the coordinates where the update was applied (`Exchanged`); most
-exchanges work on the bucket's concatenation (`Exchange.exchange`, returning a
-`Step`: what this worker sent, its residual being flat - sent; the update may stay
-encoded, an `EncodedUpdate`, which the optimizer of dist-EF-SGD decodes straight into its
-variables and everything else gets decoded). An exchange that
-keeps error and momentum in its own state (FetchSGD)
-says `worker_feedback = False`: the worker then hands it plain gradients and
-keeps no residual or momentum of its own. So
-a new compressor is one compressor class (compression.py) and one exchange
-class here, entered in `EXCHANGES`.
+An exchange moves one fused bucket of values between ranks; a compressor's `plan(bucket)` makes
+it (compressor.py). It declares the state it needs (`state`: StateSpecs with a name, shape and
+scope, see state.py), which the GradientExchange creates once and passes to every step as a dict
+of variables, and is called once per step:
+
+    exchange(parts, state, step) -> Exchanged(residual, update, state, applied)
+
+`parts` are the bucket's values, one flat float32 tensor per variable (error-fed values, or plain
+gradients, as the compressor's update rule says); `step` is a StepInfo (the step number and, where
+the rule puts them inside the exchange, learning rate and momentum). It returns, per variable,
+this worker's residual (its input less what it sent; None where the rule keeps none) and the mean
+update; the new values of its state; and (sketched SGD) the coordinates where it applied the
+update. An update may stay encoded (EncodedPart): the optimizer of dist-EF-SGD subtracts it from
+its variables in one pass, and the GradientExchange decodes it for everything else (`decoded`).
+An exchange works on the parts where they lie, or on their concatenation (`concat`, `split`).
 
 Each knows, from the static layout, the bytes one worker sends per step
 (`bytes_sent`), counted for the algorithms Horovod's CPU back ends run:
@@ -27,8 +26,8 @@ A worker receives as many bytes as it sends in all of these.
 
 Every compressed payload carries non-finite values through: a NaN or Inf in
 any rank's input makes the affected part of everybody's update non-finite
-(the sign scales and the top-k selection do this by construction; random-k
-adds a one-float "poison" sum), so no rank silently applies a finite update.
+(the scales of the sign and quantized codes and the top-k selection do this by
+construction; random-k adds a one-float "poison" sum), so no rank silently applies a finite update.
 """
 import math
 from typing import NamedTuple, Optional
@@ -39,10 +38,8 @@ import tensorflow as tf
 import horovod
 import horovod.tensorflow as hvd
 from hvd_compress import ops
-from hvd_compress.compression import (FP16Compressor, OneBitCompressor, PowerSGDCompressor,
-                                      RandomKCompressor, TopKCompressor)
-from hvd_compress.sketch import SketchCompressor
-from hvd_compress.state import REPLICATED, SHARDED, StateSpec
+from hvd_compress.compressor import FP16Compressor
+from hvd_compress.state import SHARDED, StateSpec
 
 
 def allreduce_bytes(payload_bytes, size):
@@ -54,18 +51,6 @@ def allgather_bytes(payload_bytes, size):
     """Allgather: each worker's payload reaches the n - 1 others."""
     return (size - 1) * payload_bytes if size > 1 else 0.0
 
-
-def _sign_payload(bits, scales):
-    """One uint8 buffer per payload: the packed signs, then the float32 scales' bytes."""
-    return tf.concat([bits, tf.reshape(tf.bitcast(scales, tf.uint8), [-1])], 0)
-
-
-def _split_sign_payloads(buffer, count, num_bytes, num_blocks):
-    """Inverse of _sign_payload for `count` stacked payloads of one layout:
-    (bits uint8[count, num_bytes], scales float32[count, num_blocks])."""
-    rows = tf.reshape(buffer, [count, num_bytes + 4 * num_blocks])
-    scales = tf.bitcast(tf.reshape(rows[:, num_bytes:], [count, num_blocks, 4]), tf.float32)
-    return rows[:, :num_bytes], scales
 
 
 def fuse_in_order(nbytes, threshold):
@@ -86,6 +71,7 @@ def poison(x):
     return tf.reduce_sum(x * 0.0)
 
 
+
 class Bucket(NamedTuple):
     """What an exchange is planned for: one fused bucket on one world."""
     index: int  # position among the buckets (salts shared random draws)
@@ -94,7 +80,6 @@ class Bucket(NamedTuple):
     size: int
     process_set: object
     name: str  # prefix of its collectives' names
-    two_way: bool  # onebit: sharded server (True) or allgather (False)
 
     @property
     def sizes(self):
@@ -108,14 +93,11 @@ class Bucket(NamedTuple):
 class StepInfo(NamedTuple):
     """What an exchange may read of the optimizer's step."""
     number: tf.Tensor  # the optimizer's iteration (a tape's exchange counts its own)
-    learning_rate: Optional[tf.Tensor] = None  # direct-update mode only: the update is scaled inside
-    momentum: float = 0.0  # direct-update mode only (else the wrapped optimizer applies its own)
+    learning_rate: Optional[tf.Tensor] = None  # where the update rule puts lr inside the exchange (else None)
+    momentum: float = 0.0  # likewise (else the wrapped optimizer applies its own)
     nesterov: bool = False
-    #: True: an update the exchange gives as an EncodedUpdate is handed on as EncodedParts (the optimizer of
-    #: dist-EF-SGD subtracts them from float32 variables itself); False: it is decoded here
-    encoded_update: bool = False
-    #: direct-update mode only: lr / the previous step's lr, by which residuals of lr-scaled quantities
-    #: (the two-way server's) are multiplied this step (1 where the rate did not change)
+    #: lr / the previous step's lr where the rule puts lr inside: residuals of lr-scaled quantities (the
+    #: two-way server's) are multiplied by it this step (1 where the rate did not change)
     residual_scale: Optional[tf.Tensor] = None
 
 
@@ -126,17 +108,10 @@ def rescaled(residual, scale):
     return tf.cond(tf.equal(scale, 1.0), lambda: tf.identity(residual), lambda: residual * scale)
 
 
-class Step(NamedTuple):
-    """What one exchange step on the bucket's flat vector returns (Exchange.exchange)."""
-    sent: Optional[tf.Tensor]  # what this worker sent: its residual is flat - sent
-    update: object  # the mean update of all workers: a flat tensor, or an EncodedUpdate
-    state: dict = {}  # new values of the exchange's state, by name
-    applied: Optional[tf.Tensor] = None  # indices where the update was applied (sketched SGD)
-    residual: Optional[tf.Tensor] = None  # flat - sent, where the compressor gives it (then sent is None)
 
 
 class EncodedUpdate(NamedTuple):
-    """A bucket's mean update left as the payloads it travelled in (a Step's update), decoded where it
+    """A bucket's mean update left as the payloads it travelled in, decoded where it
     is used: the optimizer of dist-EF-SGD subtracts each variable's part from the variable in one
     pass (EncodedPart.subtract_from, one read and one write of the variable, where a decode and
     assign_sub take four streams); everything else gets decode().
@@ -174,57 +149,219 @@ def subtract(variable, delta):
     return variable.assign_sub(tf.cast(delta, variable.dtype))
 
 
+
 class Exchanged(NamedTuple):
-    """What one exchange step returns to the optimizer (Exchange.__call__): per variable."""
-    residual: list  # this worker's residual, a flat tensor per variable (its input less what it sent)
-    update: list  # the mean update of all workers, a flat tensor (or EncodedPart) per variable
-    state: dict = {}
-    applied: Optional[tf.Tensor] = None
+    """What one exchange step returns (Exchange.__call__), per variable of the bucket."""
+    residual: Optional[list]  # this worker's residual, a flat tensor per variable; None: the rule keeps none
+    update: list  # the mean update of all workers, a flat tensor or an EncodedPart per variable
+    state: dict = {}  # new values of the exchange's state, by name
+    applied: Optional[tf.Tensor] = None  # indices into the bucket where the update was applied (sketched SGD)
 
 
 class Exchange:
-    """The contract of every exchange (see the module docstring).
-
-    The optimizer calls it with the bucket's values as `parts`, one flat float32 tensor per
-    variable. By default the parts are concatenated into the bucket's flat vector, which
-    `exchange` works on, and the residual and update are cut back into parts (an EncodedUpdate
-    into EncodedParts where the step says `encoded_update`, else decoded first). An exchange that
-    can work on the parts where they lie (top-k, random-k, PowerSGD) overrides __call__ and makes
-    no concatenation.
-    """
+    """The contract of every exchange (see the module docstring)."""
 
     #: the StateSpecs this exchange needs, created once by the GradientExchange
     state = ()
     bytes_sent = 0.0
-    #: True: the worker feeds it error-fed values (and momentum in front) and keeps the residual;
-    #: False: it gets plain gradients and keeps error and momentum in its own state
-    worker_feedback = True
-    #: True: the worker's momentum is zeroed where Step.applied says the update was applied
+    #: True: the worker's momentum is zeroed where Exchanged.applied says the update was applied
     #: (sketched SGD's momentum masking)
     masks_momentum = False
 
     def __call__(self, parts, state, step):
-        """parts: float32 error-fed values (plain gradients without worker feedback), a flat tensor per
-        variable; state: {name: variable}; step: a StepInfo. Returns an Exchanged."""
-        flat = tf.concat(parts, 0)
-        result = self.exchange(flat, state, step)
-        sizes = [int(p.shape[0]) for p in parts]
-        residual = flat - result.sent if result.residual is None else result.residual
-        update = result.update
-        if isinstance(update, EncodedUpdate):
-            update = update.parts(sizes) if step.encoded_update else tf.split(update.decode(), sizes)
-        else:
-            update = tf.split(update, sizes)
-        return Exchanged(tf.split(residual, sizes), update, result.state, result.applied)
-
-    def exchange(self, flat, state, step):
-        """flat: the bucket's values as one float32 [n] vector. Returns a Step."""
+        """parts: one flat float32 tensor per variable of the bucket; state: {name: variable};
+        step: a StepInfo. Returns an Exchanged."""
         raise NotImplementedError
 
     def residual(self, state):
         """Tensors whose global norm is (an estimate of) the error this exchange holds back in its
         own state, beyond the workers' residuals."""
         return []
+
+
+def concat(parts):
+    """The bucket's flat vector."""
+    return tf.concat(parts, 0)
+
+
+def split(flat, parts):
+    """A flat vector of the bucket (or an EncodedUpdate) cut back into one piece per part."""
+    sizes = [int(p.shape[0]) for p in parts]
+    if isinstance(flat, EncodedUpdate):
+        return flat.parts(sizes)
+    return tf.split(flat, sizes)
+
+
+def decoded(update, sizes):
+    """A bucket's update as dense tensors: EncodedParts (all of one EncodedUpdate) decoded once."""
+    if update and isinstance(update[0], EncodedPart):
+        return tf.split(update[0].update.decode(), sizes)
+    return update
+
+
+class Switching(Exchange):
+    """An exchange composed of two, one chosen at every step by `choose()` (a boolean tensor; True:
+    `first`): Accordion's low and high compression. Both are in the graph and a switch is a
+    variable's value, never a retrace. Each keeps its own state (named `<name>@0`, `<name>@1`),
+    which waits unchanged while the other runs; the worker's residual carries across a switch."""
+
+    def __init__(self, first, second, choose):
+        self.choices, self.choose = (first, second), choose
+        self.state = tuple(spec._replace(name=f"{spec.name}@{k}") for k, ex in enumerate(self.choices)
+                           for spec in ex.state)
+        self.masks_momentum = any(ex.masks_momentum for ex in self.choices)
+
+    @property
+    def chosen(self):
+        """The exchange the next step runs (read between steps)."""
+        with tf.init_scope():
+            return self.choices[0 if bool(self.choose()) else 1]
+
+    @property
+    def bytes_sent(self):
+        return self.chosen.bytes_sent
+
+    def _own(self, state, k):
+        return {spec.name: state[f"{spec.name}@{k}"] for spec in self.choices[k].state}
+
+    def residual(self, state):
+        return [r for k, ex in enumerate(self.choices) for r in ex.residual(self._own(state, k))]
+
+    def __call__(self, parts, state, step):
+        sizes = [int(p.shape[0]) for p in parts]
+
+        def run(k):  # tf.cond's branches return tensors: the update decoded, every state value
+            result = self.choices[k](parts, self._own(state, k), step)
+            new_state = {name: tf.identity(value) for name, value in state.items()}
+            new_state.update({f"{name}@{k}": value for name, value in result.state.items()})
+            applied = result.applied if self.choices[k].masks_momentum else None
+            residual = result.residual if result.residual is not None else [tf.zeros_like(p) for p in parts]
+            return (residual, decoded(result.update, sizes), new_state,
+                    tf.zeros([0], tf.int32) if applied is None else tf.cast(applied, tf.int32))
+
+        residual, update, new_state, applied = tf.cond(self.choose(), lambda: run(0), lambda: run(1))
+        return Exchanged(residual, update, new_state, applied if self.masks_momentum else None)
+
+
+class FullAllreduce(Exchange):
+    """A bucket sent at full precision (Accordion's `Compression.none` setting, or a bucket with a
+    tensor the compressor would not shrink): one float32 allreduce; it sends everything, so no
+    residual is left."""
+
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.bytes_sent = allreduce_bytes(4 * bucket.num_elements, bucket.size)
+
+    def __call__(self, parts, state, step):
+        mean = hvd.allreduce(concat(parts), op=hvd.Average, process_set=self.bucket.process_set,
+                             name=self.bucket.name)
+        return Exchanged([tf.zeros_like(p) for p in parts], split(mean, parts))
+
+
+def plan(compressor, bucket):
+    """The exchange of `bucket` under `compressor` (None: full precision; also a bucket with a
+    tensor the compressor would not shrink)."""
+    if compressor is None or not all(compressor.compresses(s) for s in bucket.shapes):
+        return FullAllreduce(bucket)
+    return compressor.plan(bucket)
+
+
+def pack_payload(codes, floats):
+    """One uint8 buffer per payload: the packed codes, then each float32 array's bytes (per block: a
+    scale, an offset...)."""
+    return tf.concat([codes] + [tf.reshape(tf.bitcast(f, tf.uint8), [-1]) for f in floats], 0)
+
+
+def split_payloads(buffer, count, num_bytes, num_blocks, num_floats):
+    """Inverse of pack_payload for `count` stacked payloads of one layout: (codes uint8[count, num_bytes],
+    then num_floats arrays float32[count, num_blocks])."""
+    rows = tf.reshape(buffer, [count, num_bytes + 4 * num_floats * num_blocks])
+    floats = [tf.bitcast(tf.reshape(rows[:, num_bytes + 4 * k * num_blocks:num_bytes + 4 * (k + 1) * num_blocks],
+                                    [count, num_blocks, 4]), tf.float32) for k in range(num_floats)]
+    return (rows[:, :num_bytes], *floats)
+
+
+class ShardedTwoWay(Exchange):
+    """A block code exchanged two-way over a sharded server (alltoall + allgather): dist-EF-SGD's
+    two-way onebit and blockwise quantization, so the bytes per worker do not grow with n.
+
+    The bucket's d elements are cut into `size` shards at multiples of 8 (each owns whole bytes
+    of a code of 1, 2, 4 or 8 bits per element; the shard cuts are also block cuts). Worker i
+    encodes its whole vector, Q_i = C(a_i), keeping e_i = a_i - Q_i; an alltoall sends shard j of
+    every Q_i to rank j, which averages them, adds its server residual and encodes again:
+        A_j = mean_i Q_i[j] + s e_s;  D_j = C(A_j);  e_s = A_j - D_j
+    (s: StepInfo.residual_scale, 1 unless the learning rate is inside and changed); an allgather
+    returns every D_j to every rank, which decode the same D. The server residual is sharded
+    state: rank j's holds shard j of this world size (none where the compressor keeps no
+    server feedback). The update stays encoded (an EncodedUpdate).
+
+    The compressor is the code: `bits` per element, `floats_per_block` float32 values per block,
+    `block_size`, `server_feedback`, `encode_with_residual(flat, bounds, salt, step) -> ((codes,
+    *floats), residual)` and `decode_mean(payloads, bounds, plus=None)`; `salt` tells the draws of
+    buckets, ranks, worker and server apart (2 (1024 bucket + rank), + 1 on the server), where the
+    code draws at random.
+    """
+
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        cuts = shard_cuts(bucket.num_elements, bucket.size)
+        self.bounds = bounds = np.union1d(ops.layout_bounds(bucket.sizes, compressor.block_size), cuts)
+        # For each shard: its element range, block range and payload byte length.
+        self.shards = []
+        for j in range(bucket.size):
+            lo, hi = int(cuts[j]), int(cuts[j + 1])
+            first, last = int(np.searchsorted(bounds, lo)), int(np.searchsorted(bounds, hi))
+            num_bytes = (hi * compressor.bits + 7) // 8 - lo * compressor.bits // 8 if hi > lo else 0
+            self.shards.append(dict(lo=lo, hi=hi, first=first, last=last, num_bytes=num_bytes,
+                                    payload=num_bytes + 4 * compressor.floats_per_block * (last - first)))
+        mine = self.shards[bucket.rank]
+        self.server_bounds = bounds[mine["first"]:mine["last"] + 1] - mine["lo"]
+        self.state = ((StateSpec("server_residual", (mine["hi"] - mine["lo"],), SHARDED),)
+                      if compressor.server_feedback else ())
+        total = sum(s["payload"] for s in self.shards)
+        # alltoall: all but my own shard; allgather: my shard to the n - 1 others.
+        self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], bucket.size)
+
+    def residual(self, state):
+        return list(state.values())
+
+    def _split(self, buffer, count, shard):
+        return split_payloads(buffer, count, shard["num_bytes"], shard["last"] - shard["first"],
+                              self.compressor.floats_per_block)
+
+    def __call__(self, parts, state, step):
+        compressor, bucket = self.compressor, self.bucket
+        bounds = tf.constant(self.bounds)
+        salt = 2 * (bucket.index * 1024 + bucket.rank)  # the worker's draws; + 1: the server's
+        (codes, *floats), residual = compressor.encode_with_residual(concat(parts), bounds, salt, step.number)
+        payloads = [pack_payload(codes[s["lo"] * compressor.bits // 8:][:s["num_bytes"]],
+                                 [f[s["first"]:s["last"]] for f in floats]) for s in self.shards]
+        received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
+                                   process_set=bucket.process_set, name=bucket.name + ".alltoall")
+        mine, kept = self.shards[bucket.rank], state.get("server_residual")
+        server_bounds = tf.constant(self.server_bounds)
+        error_fed_mean = compressor.decode_mean(  # A_j = mean_i Q_i[j] + s e_s, in one pass
+            self._split(received, bucket.size, mine), server_bounds,
+            plus=None if kept is None else rescaled(kept, step.residual_scale))
+        server_payload, server_residual = compressor.encode_with_residual(error_fed_mean, server_bounds, salt + 1,
+                                                                          step.number)
+        gathered = hvd.allgather(pack_payload(server_payload[0], server_payload[1:]),
+                                 process_set=bucket.process_set, name=bucket.name + ".allgather")
+        pieces, offset = [], 0
+        for s in self.shards:
+            pieces.append(self._split(gathered[offset:offset + s["payload"]], 1, s))
+            offset += s["payload"]
+        update = EncodedUpdate(compressor, tuple(tf.concat(arrays, 1) for arrays in zip(*pieces)), bounds)
+        return Exchanged(split(residual, parts), split(update, parts),
+                         {"server_residual": server_residual} if kept is not None else {})
+
+
+def shard_cuts(num_elements, size):
+    """Cuts [0, ..., d] of d elements into `size` shards at multiples of 8 (trailing ones may be
+    empty, e.g. 5 elements on 2 ranks: [0, 5, 5]): each shard of a code of 1, 2, 4 or 8 bits per
+    element owns whole bytes."""
+    shard = math.ceil(num_elements / size / 8) * 8
+    return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
 
 
 class DenseAllreduce:
@@ -284,8 +421,8 @@ class HalfAllreduce:
     cost 840 ms a step at 1 Gbit/s against 600 for 512 KiB). Horovod built with this project's
     patch posts receives first; then 2 MiB pieces are the measured compromise on the 25M MLP
     (2 ranks: 1 MiB is fastest at 1 Gbit/s and slowest at 10, 4 MiB the reverse). With stock
-    Horovod the pieces are 512 KiB, the fastest size there at 1 Gbit/s (docs/design.md,
-    "Compression.fp16", measures the sizes).
+    Horovod the pieces are 512 KiB, the fastest size there at 1 Gbit/s (docs/algorithms.md,
+    "16-bit exchange", measures the sizes).
 
     bfloat16 gradients travel as float16 (exact for their 8 significant bits; beyond +-65504 they
     become Inf). The mean does not depend on gradient_predivide_factor, which only guards a float16
@@ -362,315 +499,3 @@ def agree_on_finiteness(grads, process_set, name):
         return tf.cond(everywhere, lambda: g, lambda: g * tf.constant(np.nan, g.dtype))
 
     return [None if g is None else agreed(g) for g in grads]
-
-
-class FullAllreduce(Exchange):
-    """A compressed bucket sent at full precision (Accordion's `Compression.none` setting):
-    one float32 allreduce; it sends everything, so no residual is left."""
-
-    def __init__(self, bucket):
-        self.bucket = bucket
-        self.bytes_sent = allreduce_bytes(4 * bucket.num_elements, bucket.size)
-
-    def exchange(self, flat, state, step):
-        return Step(flat, hvd.allreduce(flat, op=hvd.Average, process_set=self.bucket.process_set,
-                                        name=self.bucket.name))
-
-
-class SignAllgather(Exchange):
-    """One-way dist-EF-SGD: every worker's packed update is allgathered, all decode the mean."""
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.bounds = ops.layout_bounds(bucket.sizes, compressor.block_size)
-        n = bucket.num_elements
-        self.num_blocks = len(self.bounds) - 1
-        self.num_bytes = (n + 7) // 8
-        self.bytes_sent = allgather_bytes(compressor.payload_bytes(n, self.num_blocks), bucket.size)
-
-    def exchange(self, flat, state, step):
-        bounds = tf.constant(self.bounds)
-        (bits, scales), residual = self.compressor.encode_with_residual(flat, bounds)
-        gathered = hvd.allgather(_sign_payload(bits, scales), process_set=self.bucket.process_set,
-                                 name=self.bucket.name)
-        everyone = _split_sign_payloads(gathered, self.bucket.size, self.num_bytes, self.num_blocks)
-        return Step(None, EncodedUpdate(self.compressor, everyone, bounds), residual=residual)
-
-
-def shard_cuts(num_elements, size):
-    """Cuts [0, ..., d] of d elements into `size` shards at multiples of 8 (trailing ones may be
-    empty, e.g. 5 elements on 2 ranks: [0, 5, 5])."""
-    shard = math.ceil(num_elements / size / 8) * 8
-    return np.array([min(j * shard, num_elements) for j in range(size + 1)], np.int64)
-
-
-class SignTwoWay(Exchange):
-    """Two-way dist-EF-SGD over a sharded server (alltoall + allgather).
-
-    The flat update of d elements is cut into `size` shards at multiples of 8
-    (so each owns whole bytes of the packed signs; the shard cuts are also
-    block cuts). Worker i packs its whole update; an alltoall sends shard j of
-    every worker to rank j; rank j averages them, adds its server residual
-    e_s, recompresses: D_j = C(A_j), e_s = A_j - D_j; an allgather returns
-    every D_j to every rank, which decode the same update D. The server
-    residual is sharded state: rank j's holds shard j of this world size.
-    """
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        cuts = shard_cuts(bucket.num_elements, bucket.size)
-        self.bounds = bounds = np.union1d(ops.layout_bounds(bucket.sizes, compressor.block_size), cuts)
-        # For each shard: its element range, block range and payload byte length.
-        self.shards = []
-        for j in range(bucket.size):
-            lo, hi = int(cuts[j]), int(cuts[j + 1])
-            first, last = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
-            num_bytes = (hi + 7) // 8 - lo // 8 if hi > lo else 0  # lo is a multiple of 8 unless empty
-            self.shards.append(dict(lo=lo, hi=hi, first_block=int(first), last_block=int(last),
-                                    num_bytes=num_bytes, payload=num_bytes + 4 * int(last - first)))
-        mine = self.shards[bucket.rank]
-        self.server_bounds = bounds[mine["first_block"]:mine["last_block"] + 1] - mine["lo"]
-        self.state = (StateSpec("server_residual", (mine["hi"] - mine["lo"],), SHARDED),)
-        total = sum(s["payload"] for s in self.shards)
-        # alltoall: all but my own shard; allgather: my shard to the n - 1 others.
-        self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], bucket.size)
-
-    def residual(self, state):
-        return [state["server_residual"]]
-
-    def _shard_payloads(self, bits, scales):
-        return [_sign_payload(bits[s["lo"] // 8:s["lo"] // 8 + s["num_bytes"]],
-                              scales[s["first_block"]:s["last_block"]])
-                for s in self.shards]
-
-    def exchange(self, flat, state, step):
-        bounds, process_set, name = tf.constant(self.bounds), self.bucket.process_set, self.bucket.name
-        (bits, scales), residual = self.compressor.encode_with_residual(flat, bounds)
-        payloads = self._shard_payloads(bits, scales)
-        received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
-                                   process_set=process_set, name=name + ".alltoall")
-        mine = self.shards[self.bucket.rank]
-        server_bounds = tf.constant(self.server_bounds)
-        error_fed_mean = self.compressor.decode_mean(  # A_j = mean + e_s, in one pass
-            _split_sign_payloads(received, self.bucket.size, mine["num_bytes"],
-                                 mine["last_block"] - mine["first_block"]), server_bounds,
-            plus=rescaled(state["server_residual"], step.residual_scale))
-        (server_bits, server_scales), server_residual = self.compressor.encode_with_residual(
-            error_fed_mean, server_bounds)
-        gathered = hvd.allgather(_sign_payload(server_bits, server_scales),
-                                 process_set=process_set, name=name + ".allgather")
-        all_bits, all_scales, offset = [], [], 0
-        for s in self.shards:
-            bits_j, scales_j = _split_sign_payloads(gathered[offset:offset + s["payload"]], 1,
-                                                    s["num_bytes"], s["last_block"] - s["first_block"])
-            all_bits.append(bits_j[0])
-            all_scales.append(scales_j[0])
-            offset += s["payload"]
-        update = EncodedUpdate(self.compressor, (tf.concat(all_bits, 0)[None], tf.concat(all_scales, 0)[None]), bounds)
-        return Step(None, update, {"server_residual": server_residual}, residual=residual)
-
-
-class SparseAllgather(Exchange):
-    """Top-k: (values, int32 indices) of every worker allgathered, their mean scattered.
-
-    It works on the bucket's parts where they lie: the top k of their concatenation is selected
-    in place (ops.top_k_abs over the list), the residual is the parts with the selection zeroed
-    in place (ops.zero_at), and the allgathered pairs of all ranks are summed, in rank order,
-    straight into one dense tensor per variable and divided by the number of ranks
-    (ops.scatter_mean). The only dense tensors it makes are those the wrapped optimizer gets.
-    """
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.n = bucket.num_elements
-        self.k = compressor.num_selected(self.n)
-        self.bytes_sent = allgather_bytes(compressor.payload_bytes(self.k), bucket.size)
-
-    def __call__(self, parts, state, step):
-        values, indices = self.compressor.encode(parts, self.k)
-        residual = ops.zero_at(parts, indices)
-        gathered = hvd.allgather(tf.concat([values, tf.bitcast(indices, tf.float32)], 0),
-                                 process_set=self.bucket.process_set, name=self.bucket.name)
-        gathered = tf.reshape(gathered, [self.bucket.size, 2, self.k])
-        update = self.compressor.decode_mean((gathered[:, 0], tf.bitcast(gathered[:, 1], tf.int32)),
-                                             [p.shape for p in parts])
-        return Exchanged(residual, update)
-
-
-class SharedRandomAllreduce(Exchange):
-    """Random-k: every rank draws the same k coordinates (stateless, from seed, step and the
-    bucket's index), so only values travel, summed by a plain allreduce.
-
-    Like top-k it works on the bucket's parts where they lie: the values are read at the
-    coordinates (ops.gather_at), the residual is the parts with them zeroed in place
-    (ops.zero_at), and the summed values are scattered straight into each variable's update
-    (ops.scatter_mean). One extra value carries NaN from a rank whose input is not all finite.
-    """
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.n = bucket.num_elements
-        self.k = compressor.num_selected(self.n)
-        self.bytes_sent = allreduce_bytes(compressor.payload_bytes(self.k), bucket.size)
-
-    def __call__(self, parts, state, step):
-        indices = self.compressor.indices(self.n, self.k, step.number, self.bucket.index)
-        values, _ = self.compressor.encode(parts, indices)
-        poisoned = tf.add_n([poison(p) for p in parts])
-        with tf.control_dependencies([values, poisoned]):  # the parts are free by then: zeroed in place, not copied
-            residual = ops.zero_at(parts, indices)
-        summed = hvd.allreduce(tf.concat([values, [poisoned]], 0), op=hvd.Sum,
-                               process_set=self.bucket.process_set, name=self.bucket.name)
-        update = self.compressor.decode_mean((summed[None, :-1], indices[None]), [p.shape for p in parts],
-                                             count=self.bucket.size)
-        return Exchanged(residual, [u + summed[-1] for u in update])
-
-
-class SketchAllreduce(Exchange):
-    """Sketched SGD (hvd_compress/sketch.py): count sketches summed by allreduce, candidates found
-    alike on every rank, their exact sums fetched by a second allreduce and applied (all of them, or
-    the exact top-k among them with apply_candidates=False)."""
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.n = bucket.num_elements
-        self.k, self.rows, self.cols, self.num_candidates = compressor.sizes(self.n)
-        self.masks_momentum = compressor.mask_momentum
-        self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, bucket.size)
-                           + (allreduce_bytes(4 * self.num_candidates, bucket.size)
-                              if compressor.second_round else 0))
-
-    def exchange(self, flat, state, step):
-        process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
-        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt, step.number), op=hvd.Sum,
-                               process_set=process_set, name=name + ".sketch")
-        estimate = self.compressor.estimate(summed, self.n, salt, step.number)
-        if self.compressor.second_round:
-            _, candidates = ops.top_k_abs(estimate, self.num_candidates)
-            local = tf.gather(flat, candidates)
-            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
-            applied = candidates
-            if not self.compressor.apply_candidates:
-                values, chosen = ops.top_k_abs(values, self.k)
-                applied, local = tf.gather(candidates, chosen), tf.gather(local, chosen)
-        else:
-            _, applied = ops.top_k_abs(estimate, self.k)
-            values, local = tf.gather(estimate, applied), tf.gather(flat, applied)
-        sent = ops.scatter_dense(applied, local, self.n)
-        return Step(sent, ops.scatter_dense(applied, values, self.n) / self.bucket.size, applied=applied)
-
-
-class SketchSpaceAllreduce(Exchange):
-    """FetchSGD (hvd_compress/sketch.py): the sketches of plain gradients averaged by one allreduce,
-    momentum and error accumulated in sketch space (replicated state), the top-k of the error
-    sketch's estimates applied and their cells zeroed. Hashes are fixed: the state accumulates."""
-
-    worker_feedback = False
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.n = bucket.num_elements
-        self.k, self.rows, self.cols, _ = compressor.sizes(self.n)
-        self.state = (StateSpec("sketch_momentum", (self.rows, self.cols), REPLICATED),
-                      StateSpec("sketch_error", (self.rows, self.cols), REPLICATED))
-        self.bytes_sent = allreduce_bytes(4 * self.rows * self.cols, bucket.size)
-
-    def residual(self, state):
-        # Each row of a count sketch keeps the vector's squared norm in expectation.
-        return [state["sketch_error"] / math.sqrt(self.rows)]
-
-    def exchange(self, flat, state, step):
-        salt = self.bucket.index
-        sketch = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt), op=hvd.Average,
-                               process_set=self.bucket.process_set, name=self.bucket.name + ".sketch")
-        momentum = step.momentum * state["sketch_momentum"] + sketch
-        pushed = step.momentum * momentum + sketch if step.nesterov else momentum
-        error = state["sketch_error"] + (pushed if step.learning_rate is None else step.learning_rate * pushed)
-        values, applied = ops.top_k_abs(self.compressor.estimate(error, self.n, salt), self.k)
-        cells = self.compressor.buckets(applied, self.n, self.rows, self.cols, salt)
-        rows = tf.repeat(tf.range(self.rows, dtype=tf.int64), self.k)
-        keep = tf.tensor_scatter_nd_update(tf.ones([self.rows, self.cols]),
-                                           tf.stack([rows, tf.reshape(cells, [-1])], 1), tf.zeros([self.rows * self.k]))
-        return Step(flat, ops.scatter_dense(applied, values, self.n),
-                    {"sketch_momentum": momentum * keep, "sketch_error": error * keep})
-
-
-class LowRankAllreduce(Exchange):
-    """PowerSGD: per tensor P = M Q and Q = M^T P, each fused over the bucket into one allreduce.
-
-    Q is replicated state (every rank computes the same Q from the same
-    allreduced P), warm-started across steps; without warm start a fresh
-    shared normal draw from (seed, bucket, tensor, step) is used each step.
-    """
-
-    def __init__(self, compressor, bucket):
-        self.compressor, self.bucket = compressor, bucket
-        self.matrices = [compressor.matrix_shape(s) for s in bucket.shapes]
-        self.state = tuple(StateSpec(f"powersgd_q/{j}", (m, compressor.rank), REPLICATED,
-                                     initializer=self._shared_normal(j))
-                           for j, (_, m) in enumerate(self.matrices)) if compressor.warm_start else ()
-        rank, size = compressor.rank, bucket.size
-        self.bytes_sent = (allreduce_bytes(4 * rank * sum(n for n, _ in self.matrices), size)
-                           + allreduce_bytes(4 * rank * sum(m for _, m in self.matrices), size))
-
-    def _shared_normal(self, j, step=0):
-        seed = tf.stack([tf.constant(self.compressor.seed * (1 << 20) + self.bucket.index * 4096 + j,
-                                     tf.int64), tf.cast(step, tf.int64)])
-        return lambda shape, dtype=tf.float32: tf.random.stateless_normal(shape, seed, dtype=dtype)
-
-    def _fused_mean(self, factors, name):
-        flat = hvd.allreduce(tf.concat([tf.reshape(f, [-1]) for f in factors], 0), op=hvd.Average,
-                             process_set=self.bucket.process_set, name=name)
-        out, offset = [], 0
-        for f in factors:
-            size = int(np.prod(f.shape))
-            out.append(tf.reshape(flat[offset:offset + size], f.shape))
-            offset += size
-        return out
-
-    def __call__(self, parts, state, step):
-        """Works on each variable's part as its matrix, with no concatenation of the bucket."""
-        if self.compressor.warm_start:
-            qs = [state[spec.name] for spec in self.state]
-        else:
-            qs = [self._shared_normal(j, step.number)([m, self.compressor.rank])
-                  for j, (_, m) in enumerate(self.matrices)]
-        ms = [tf.reshape(part, shape) for part, shape in zip(parts, self.matrices)]
-        ps = self._fused_mean([tf.matmul(m, q) for m, q in zip(ms, qs)], self.bucket.name + ".p")
-        ps = [tf.linalg.qr(p)[0] for p in ps]  # orthonormal columns spanning P
-        # M^T P as (P^T M)^T: the product reads M along its rows, 3.5x faster on one CPU thread than
-        # a transposed M (8.2 against 2.3 ms for a 3500 x 3500 M at rank 4); the transpose is of [r, m].
-        new_qs = self._fused_mean([tf.transpose(tf.matmul(p, m, transpose_a=True)) for m, p in zip(ms, ps)],
-                                  self.bucket.name + ".q")
-        updates = [tf.reshape(tf.matmul(p, q, transpose_b=True), [-1]) for p, q in zip(ps, new_qs)]
-        # PowerSGD's error is against the shared approximation: what is sent is the update itself.
-        return Exchanged([part - u for part, u in zip(parts, updates)], updates,
-                         {spec.name: q for spec, q in zip(self.state, new_qs)})
-
-
-def _sign(compressor, bucket):
-    return (SignTwoWay if bucket.two_way else SignAllgather)(compressor, bucket)
-
-
-def _sketch(compressor, bucket):
-    return (SketchSpaceAllreduce if compressor.mode == "fetchsgd" else SketchAllreduce)(compressor, bucket)
-
-
-#: compressor class -> the exchange it travels by; `plan` looks a compressor's class up here.
-EXCHANGES = {
-    OneBitCompressor: _sign,
-    TopKCompressor: SparseAllgather,
-    RandomKCompressor: SharedRandomAllreduce,
-    SketchCompressor: _sketch,
-    PowerSGDCompressor: LowRankAllreduce,
-}
-
-
-def plan(compressor, bucket):
-    """The exchange of `bucket` under `compressor` (None: Accordion's uncompressed setting, or a
-    bucket with a tensor the compressor would not shrink)."""
-    if compressor is None or not all(compressor.compresses(s) for s in bucket.shapes):
-        return FullAllreduce(bucket)
-    if type(compressor) not in EXCHANGES:
-        raise TypeError(f"{compressor!r} is not supported by hvd_compress.DistributedOptimizer yet.")
-    return EXCHANGES[type(compressor)](compressor, bucket)

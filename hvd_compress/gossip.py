@@ -32,7 +32,8 @@ import horovod.tensorflow as hvd
 from hvd_compress import exchange, state
 from hvd_compress.keras_compat import (WrapperCore, refuse_saved_process_set, refuse_wrapped, register_loader,
                                        saved_process_set, wrap_in_place)
-from hvd_compress.optimizer import check_known_variables, refuse_loss_scale_optimizer, refuse_xla
+from hvd_compress.gradient_exchange import check_known_variables
+from hvd_compress.optimizer import refuse_loss_scale_optimizer, refuse_xla
 from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
 GRAPHS = ("exponential", "exponential2", "ring")

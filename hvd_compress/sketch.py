@@ -9,7 +9,7 @@ Sketched SGD (mode="sketched", the default). Each worker keeps momentum u and er
     V = allreduce_sum(a[C])                         (second round: P k floats, exact sums)
     A = C                                           (every exact sum applied; apply_candidates=False:
                                                      the k coordinates of C with the largest |V|, the paper's)
-    x[A] -= V[A] / n;  e = a;  e[A] = 0;  u[A] = 0      (mask_momentum=False: u is kept)
+    x[A] -= V[A] / n;  e = a;  e[A] = 0                 (mask_momentum=True also zeroes u[A])
 Hashes and signs are drawn anew every step (from the seed, the bucket and the step): with fixed
 hashes the coordinates that share a bucket with a persistent heavy one would hide it at every step,
 and their residuals would grow unseen (measured on digits under the paper's top-k rule: recall of
@@ -19,7 +19,7 @@ every applied value is exact, so a coordinate the sketch over-estimated is never
 wrong value. The paper applies only the exact top k of the candidates; the second round has already
 paid for all P k exact sums, and applying them all is what trains at 8x and beyond (measured on
 digits, 2 ranks, 16 epochs, three hash seeds: at 8x 0.981-0.989 against 0.10-0.972 with the top k
-only; docs/design.md, "Sketched SGD"). Without the second round (`second_round=False`, the paper's
+only; docs/algorithms.md, "Sketched SGD"). Without the second round (`second_round=False`, the paper's
 one-round variant) A is the top k of the estimates and V their estimates.
 Under other optimizers the same exchange runs on a = g + e (no momentum in front) and the wrapped
 optimizer applies the sparse mean (P k coordinates, or k with apply_candidates=False).
@@ -44,11 +44,15 @@ of workers.
 import math
 
 import numpy as np
+import tensorflow as tf
 
+import horovod.tensorflow as hvd
 from hvd_compress import ops
-from hvd_compress.compression import StatefulCompressor
+from hvd_compress.compressor import EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, StatefulCompressor, seed_key
+from hvd_compress.exchange import Exchange, Exchanged, allreduce_bytes, concat, split
+from hvd_compress.state import REPLICATED, StateSpec
 
-#: Sizes from a ratio (docs/design.md, "Sketched SGD": measured on digits residuals).
+#: Sizes from a ratio (docs/algorithms.md, "Sketched SGD": measured on digits residuals).
 DEFAULT_ROWS = 1
 #: candidates fetched by the second round per applied coordinate (P)
 DEFAULT_CANDIDATES = 25
@@ -71,13 +75,15 @@ class SketchCompressor(StatefulCompressor):
     takes all F in 5 rows.
     Or explicit `k`, `cols` (and `rows`, `candidates`). Sketched SGD applies every
     candidate's exact sum (`apply_candidates=True`), or only the exact top k among
-    them (`apply_candidates=False`, the paper's rule). Under momentum SGD it zeroes
-    the worker's momentum where it applied the update (`mask_momentum=True`, the
-    paper's momentum stopping), or keeps it (False, as dist-EF-SGD does). Hashes and
+    them (`apply_candidates=False`, the paper's rule). Under momentum SGD it keeps the
+    worker's momentum where it applied the update (`mask_momentum=False`, as dist-EF-SGD
+    does), or zeroes it (True, the paper's momentum stopping: it steadies ratios of 16x and
+    more on digits but cost 5 points at 4x on the text model). Hashes and
     signs come from `seed`, shared by all ranks.
     """
 
     collective = "allreduce of sketches (with optimizer state)"
+    sparse_update = True
 
     def __init__(self, ratio=None, k=None, rows=None, cols=None, candidates=None, second_round=None, seed=0,
                  mode="sketched", apply_candidates=None, mask_momentum=None):
@@ -128,12 +134,21 @@ class SketchCompressor(StatefulCompressor):
                              f"where it applied the update; it needs mode='sketched' (FetchSGD zeroes its momentum "
                              f"sketch's cells by design), got mask_momentum={mask_momentum!r}, mode={mode!r}.")
         self.apply_candidates = self.second_round if apply_candidates is None else apply_candidates
-        self.mask_momentum = mode == "sketched" if mask_momentum is None else mask_momentum
+        self.mask_momentum = bool(mask_momentum)
 
     def __repr__(self):
         return (f"Compression.sketch(ratio={self.ratio}, k={self.k}, rows={self.rows}, cols={self.cols}, "
                 f"candidates={self.candidates}, second_round={self.second_round}, seed={self.seed}, "
                 f"mode={self.mode!r}, apply_candidates={self.apply_candidates}, mask_momentum={self.mask_momentum})")
+
+    @property
+    def update_rule(self):
+        """Sketched SGD: the worker's momentum in front (dist-EF-SGD's rule); FetchSGD: momentum and
+        error in sketch space, the exchange's."""
+        return MOMENTUM_IN_FRONT if self.mode == "sketched" else EXCHANGE_FEEDBACK
+
+    def plan(self, bucket):
+        return (SketchAllreduce if self.mode == "sketched" else SketchSpaceAllreduce)(self, bucket)
 
     def sizes(self, num_elements):
         """(k, rows, cols, number of candidates) for a bucket of num_elements. k is the number of heavy
@@ -160,7 +175,7 @@ class SketchCompressor(StatefulCompressor):
     def hash_seed(self, salt=0):
         """The hashes' seed of a bucket (salt: its index); sketched SGD hashes anew every step (`step`),
         FetchSGD always as step 0."""
-        return self.seed * (1 << 20) + salt
+        return seed_key(self.seed, salt)
 
     def encode(self, flat, rows, cols, salt=0, step=0):
         return ops.count_sketch(flat, rows, cols, self.hash_seed(salt), step)
@@ -170,3 +185,73 @@ class SketchCompressor(StatefulCompressor):
 
     def buckets(self, indices, num_elements, rows, cols, salt=0, step=0):
         return ops.count_sketch_buckets(indices, num_elements, rows, cols, self.hash_seed(salt), step)
+
+
+class SketchAllreduce(Exchange):
+    """Sketched SGD (hvd_compress/sketch.py): count sketches summed by allreduce, candidates found
+    alike on every rank, their exact sums fetched by a second allreduce and applied (all of them, or
+    the exact top-k among them with apply_candidates=False)."""
+
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.n = bucket.num_elements
+        self.k, self.rows, self.cols, self.num_candidates = compressor.sizes(self.n)
+        self.masks_momentum = compressor.mask_momentum
+        self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, bucket.size)
+                           + (allreduce_bytes(4 * self.num_candidates, bucket.size)
+                              if compressor.second_round else 0))
+
+    def __call__(self, parts, state, step):
+        flat = concat(parts)
+        process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
+        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt, step.number), op=hvd.Sum,
+                               process_set=process_set, name=name + ".sketch")
+        estimate = self.compressor.estimate(summed, self.n, salt, step.number)
+        if self.compressor.second_round:
+            _, candidates = ops.top_k_abs(estimate, self.num_candidates)
+            local = tf.gather(flat, candidates)
+            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
+            applied = candidates
+            if not self.compressor.apply_candidates:
+                values, chosen = ops.top_k_abs(values, self.k)
+                applied, local = tf.gather(candidates, chosen), tf.gather(local, chosen)
+        else:
+            _, applied = ops.top_k_abs(estimate, self.k)
+            values, local = tf.gather(estimate, applied), tf.gather(flat, applied)
+        residual = flat - ops.scatter_dense(applied, local, self.n)  # e = a, zeroed where applied
+        return Exchanged(split(residual, parts), split(ops.scatter_dense(applied, values, self.n) / self.bucket.size,
+                                                       parts), applied=applied)
+
+
+class SketchSpaceAllreduce(Exchange):
+    """FetchSGD (hvd_compress/sketch.py): the sketches of plain gradients averaged by one allreduce,
+    momentum and error accumulated in sketch space (replicated state), the top-k of the error
+    sketch's estimates applied and their cells zeroed. Hashes are fixed: the state accumulates."""
+
+    def __init__(self, compressor, bucket):
+        self.compressor, self.bucket = compressor, bucket
+        self.n = bucket.num_elements
+        self.k, self.rows, self.cols, _ = compressor.sizes(self.n)
+        self.state = (StateSpec("sketch_momentum", (self.rows, self.cols), REPLICATED),
+                      StateSpec("sketch_error", (self.rows, self.cols), REPLICATED))
+        self.bytes_sent = allreduce_bytes(4 * self.rows * self.cols, bucket.size)
+
+    def residual(self, state):
+        # Each row of a count sketch keeps the vector's squared norm in expectation.
+        return [state["sketch_error"] / math.sqrt(self.rows)]
+
+    def __call__(self, parts, state, step):
+        flat = concat(parts)
+        salt = self.bucket.index
+        sketch = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt), op=hvd.Average,
+                               process_set=self.bucket.process_set, name=self.bucket.name + ".sketch")
+        momentum = step.momentum * state["sketch_momentum"] + sketch
+        pushed = step.momentum * momentum + sketch if step.nesterov else momentum
+        error = state["sketch_error"] + (pushed if step.learning_rate is None else step.learning_rate * pushed)
+        values, applied = ops.top_k_abs(self.compressor.estimate(error, self.n, salt), self.k)
+        cells = self.compressor.buckets(applied, self.n, self.rows, self.cols, salt)
+        rows = tf.repeat(tf.range(self.rows, dtype=tf.int64), self.k)
+        keep = tf.tensor_scatter_nd_update(tf.ones([self.rows, self.cols]),
+                                           tf.stack([rows, tf.reshape(cells, [-1])], 1), tf.zeros([self.rows * self.k]))
+        return Exchanged(None, split(ops.scatter_dense(applied, values, self.n), parts),
+                         {"sketch_momentum": momentum * keep, "sketch_error": error * keep})

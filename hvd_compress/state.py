@@ -1,6 +1,6 @@
 """Every piece of state and its scope, and where each scope is kept.
 
-Three scopes (docs/design.md, "State and its scope"):
+Three scopes (docs/state_and_checkpoints.md, "The three scopes"):
 - per-rank: differs by rank by design: worker error-feedback residuals e_i,
   the worker momenta of dist-EF-SGD and sketched SGD, Accordion's local
   gradient sums, accumulated micro-batch gradients, PushSum's weight w_i and

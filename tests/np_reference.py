@@ -271,3 +271,86 @@ class FetchSGD:
             self.u[j, cells] = 0
             self.e[j, cells] = 0
         return idx
+
+# Blockwise low-bit quantizer (hvd_compress/quantize_ops.py; format in tf_ops/quantize_ops.cc).
+QUANTIZE_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def quantize_uniforms(seed, n):
+    """float32[n]: the stochastic draws u_i in [0, 1) of elements 0..n-1 for seed = (key, counter):
+    (splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F ^ i) >> 40) * 2^-24."""
+    key, counter = np.asarray(seed, np.int64).reshape(2).view(np.uint64)
+    with np.errstate(over="ignore"):
+        base = np.array([key], np.uint64) * QUANTIZE_GOLDEN ^ np.array([counter], np.uint64) * np.uint64(
+            0xC2B2AE3D27D4EB4F)
+        z = _mix64((base ^ np.arange(n, dtype=np.uint64)) + QUANTIZE_GOLDEN)
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def quantize_params(x, bounds, bits):
+    """(offsets, scales, invs) float32[B] of the blocks of float32 x."""
+    levels = np.float32(2**bits - 1)
+    num_blocks = len(bounds) - 1
+    offsets, scales, invs = (np.empty(num_blocks, np.float32) for _ in range(3))
+    for b in range(num_blocks):
+        block = x[bounds[b]:bounds[b + 1]]
+        with np.errstate(invalid="ignore", over="ignore"):
+            lo, hi = np.min(block) + np.float32(0), np.max(block) + np.float32(0)  # -0 -> +0
+            span = hi - lo
+        if not np.all(np.isfinite(block)) or not np.isfinite(span):
+            offsets[b], scales[b], invs[b] = np.nan, np.nan, 0
+        else:
+            offsets[b], scales[b] = lo, span / levels
+            invs[b] = levels / span if span > 0 else np.float32(0)
+    return offsets, scales, invs
+
+
+def pack_codes(q, bits):
+    """uint8[ceil(n*bits/8)]: code i at bits [i*bits, (i+1)*bits), LSB first, padding bits 0."""
+    per_byte = 8 // bits
+    q = np.concatenate([np.asarray(q, np.uint8), np.zeros((-len(q)) % per_byte, np.uint8)]).reshape(-1, per_byte)
+    shifts = np.arange(per_byte, dtype=np.uint8) * np.uint8(bits)
+    return np.bitwise_or.reduce(q << shifts, axis=1).astype(np.uint8)
+
+
+def unpack_codes(packed, n, bits):
+    """uint8[n]: the codes of pack_codes."""
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * np.uint8(bits)
+    q = (np.asarray(packed, np.uint8)[:, None] >> shifts) & np.uint8(2**bits - 1)
+    return q.reshape(-1)[:n]
+
+
+def block_quantize_decode(packed, scales, offsets, bounds, bits):
+    """float32[n]: offset + float32(q) * scale, per element of its block (two float32 roundings)."""
+    n = int(bounds[-1])
+    q = unpack_codes(packed, n, bits).astype(np.float32)
+    counts = np.diff(bounds)
+    return np.repeat(np.asarray(offsets, np.float32), counts) + q * np.repeat(np.asarray(scales, np.float32), counts)
+
+
+def block_quantize_compress(x, bounds, bits, stochastic=False, seed=(0, 0)):
+    """(packed, scales, offsets, residual) of ops block_quantize_compress."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    bounds = np.asarray(bounds, np.int64)
+    offsets, scales, invs = quantize_params(x, bounds, bits)
+    counts = np.diff(bounds)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (x - np.repeat(offsets, counts)) * np.repeat(invs, counts)
+        f = np.floor(v + (quantize_uniforms(seed, x.size) if stochastic else np.float32(0.5)))
+    f = np.where(f > 0, f, np.float32(0))  # NaN -> 0
+    f = np.where(f < np.float32(2**bits - 1), f, np.float32(2**bits - 1))
+    packed = pack_codes(f.astype(np.uint8), bits)
+    with np.errstate(invalid="ignore"):
+        residual = x - block_quantize_decode(packed, scales, offsets, bounds, bits)
+    return packed, scales, offsets, residual
+
+
+def block_quantize_decode_mean(packed_list, scales_list, offsets_list, bounds, bits, plus=None):
+    """Mean of m payloads: acc = 0, acc += each decode in order (float32), acc / m, + plus."""
+    acc = np.zeros(int(bounds[-1]), np.float32)
+    with np.errstate(invalid="ignore"):
+        for packed, scales, offsets in zip(packed_list, scales_list, offsets_list):
+            acc = acc + block_quantize_decode(packed, scales, offsets, bounds, bits)
+        mean = acc / np.float32(len(packed_list))
+        return mean if plus is None else mean + np.asarray(plus, np.float32)

@@ -1,5 +1,5 @@
 """Each rank saves its own file: a checkpoint resumes every piece of state exactly; a model file
-resumes the model and the replicated state, and per-rank state starts afresh (docs/design.md)."""
+resumes the model and the replicated state, and per-rank state starts afresh (docs/state_and_checkpoints.md)."""
 import os
 import subprocess
 import sys

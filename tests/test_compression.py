@@ -27,6 +27,8 @@ def horovod_single_rank():
     (lambda: hc.Compression.topk(ratio=1.5), "ratio must be"),
     (lambda: hc.Compression.topk(ratio=0), "ratio must be"),
     (lambda: hc.Compression.topk(k=0), "k must be a positive integer"),
+    (lambda: hc.Compression.quantize(bits=3), "bits must be 2, 4 or 8"),
+    (lambda: hc.Compression.quantize(block_size=1), "block_size must be"),
 ])
 def test_bad_configuration_is_refused_when_built(make, match):
     with pytest.raises(ValueError, match=match):
@@ -148,6 +150,7 @@ class HalfTopK(hc.compression.TopKCompressor):
     hc.Compression.topk(k=5), hc.Compression.randomk(ratio=0.1, seed=3),
     hc.Compression.powersgd(rank=2, warm_start=False), hc.Compression.sketch(ratio=4),
     hc.Compression.sketch(k=10, cols=200, rows=3), hc.Compression.sketch(ratio=4, mode="fetchsgd"),
+    hc.Compression.onebit(two_way=False), hc.Compression.quantize(bits=4, stochastic=False),
     HalfTopK(0.25, label="x")], ids=repr)
 def test_a_compression_saves_as_json_and_comes_back_alike(compression):
     """What a model file records of a compression (hc.DistributedOptimizer's config)."""
@@ -157,3 +160,58 @@ def test_a_compression_saves_as_json_and_comes_back_alike(compression):
         assert again is compression
     else:
         assert type(again) is type(compression) and vars(again) == vars(compression)
+
+
+class HalfSent(hc.compressor.StatefulCompressor):
+    """A compressor of a user's own: it sends half of every error-fed value and keeps the other half."""
+
+    update_rule = hc.compressor.ERROR_FEEDBACK
+
+    def plan(self, bucket):
+        return HalvedAllreduce(bucket)
+
+
+class HalvedAllreduce(exchange.Exchange):
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.bytes_sent = exchange.allreduce_bytes(4 * bucket.num_elements, bucket.size)
+
+    def __call__(self, parts, state, step):
+        sent = [p * 0.5 for p in parts]
+        mean = hvd.allreduce(exchange.concat(sent), op=hvd.Average, process_set=self.bucket.process_set,
+                             name=self.bucket.name)
+        return exchange.Exchanged([p - s for p, s in zip(parts, sent)], exchange.split(mean, parts))
+
+
+def train_three_steps(compression):
+    keras = hc.require_legacy_keras()
+    w = tf.Variable(np.zeros(2048, np.float32))
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression)
+    g = tf.constant(np.linspace(-1, 1, 2048, dtype=np.float32))
+    step = tf.function(lambda: opt.apply_gradients([(g, w)]))
+    for _ in range(3):
+        step()
+    return w.numpy(), g.numpy(), opt
+
+
+def test_a_compressor_of_ones_own_plans_its_exchange_and_trains():
+    """The contract a user implements: update_rule and plan(bucket) -> Exchange. Error feedback sends
+    g/2, then (g + g/2)/2, then (g + 3g/4)/2: the weights move by -0.1 (0.5 + 0.75 + 0.875) g."""
+    w, g, opt = train_three_steps(HalfSent())
+    np.testing.assert_allclose(w, -0.1 * 2.125 * g, rtol=1e-6, atol=1e-7)
+    assert isinstance(opt.compression_exchange.exchanges[0], HalvedAllreduce)
+
+
+def test_a_subclass_of_a_compressor_trains_as_its_base():
+    """A user's subclass (HalfTopK) plans the exchange of its base class, top-k."""
+    w, _, opt = train_three_steps(HalfTopK(0.25))
+    assert type(opt.compression_exchange.exchanges[0]).__name__ == "SparseAllgather"
+    assert 0 < np.count_nonzero(w) <= 3 * 512
+
+
+def test_a_compressor_without_a_known_update_rule_is_refused():
+    class Unruly(HalfSent):
+        update_rule = "momentum_behind"
+
+    with pytest.raises(TypeError, match="update_rule"):
+        hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=Unruly())

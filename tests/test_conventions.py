@@ -4,7 +4,7 @@ training that changes the world size mid-fit, and buckets too small to give ever
 
 The per-rank state (residuals, worker momenta, server-residual shards, PushSum's weight) must
 never be overwritten by another rank's, restored onto another rank, or silently zeroed: see
-docs/design.md, "State scopes"."""
+docs/state_and_checkpoints.md, "The three scopes"."""
 import pytest
 
 from hvd_compress.exchange import shard_cuts

@@ -1,6 +1,6 @@
 """Ordinary Keras features under horovodrun (2 ranks), with every method, in tf_keras and in Keras
 3: mixed precision (compile()'s LossScaleOptimizer and an explicit one), bfloat16 and float16,
-Embeddings, layers without gradients, clipping, jit_compile. See docs/design.md, "Keras features"."""
+Embeddings, layers without gradients, clipping, jit_compile. See docs/keras_features.md."""
 import json
 import subprocess
 import sys

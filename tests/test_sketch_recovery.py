@@ -21,7 +21,7 @@ def horovod_single_rank():
 
 
 def sketch_exchange(compression, d=D):
-    bucket = exchange.Bucket(0, [(d,)], 0, 1, hvd.global_process_set, "hc.test.sketch", True)
+    bucket = exchange.Bucket(0, [(d,)], 0, 1, hvd.global_process_set, "hc.test.sketch")
     return exchange.plan(compression, bucket)
 
 
@@ -35,11 +35,11 @@ def planted(k, seed, d=D):
 
 
 def recovered(compression, seeds=(0, 1, 2), d=D):
-    """Per seed: (planted vector, its heavy coordinates, the exchange's Step, the exchange)."""
+    """Per seed: (planted vector, its heavy coordinates, what the exchange returned (Exchanged), the exchange)."""
     ex = sketch_exchange(compression, d)
     for seed in seeds:
         x, heavy = planted(ex.k, seed, d)
-        yield x, heavy, ex.exchange(tf.constant(x), {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex
+        yield x, heavy, ex([tf.constant(x)], {}, exchange.StepInfo(tf.constant(seed, tf.int64))), ex
 
 
 def check_recall(d=D, **variant):
@@ -62,11 +62,11 @@ def test_the_exact_round_recovers_the_heavy_coordinates_at_ratios_4_and_8(d):
 @pytest.mark.parametrize("apply_candidates", [True, False])
 def test_applied_values_are_the_exact_sums_and_leave_no_residual(apply_candidates):
     for x, _, step, ex in recovered(hc.Compression.sketch(ratio=4, apply_candidates=apply_candidates)):
-        applied, update = step.applied.numpy(), step.update.numpy()
+        applied, update, residual = step.applied.numpy(), step.update[0].numpy(), step.residual[0].numpy()
         count = ex.num_candidates if apply_candidates else ex.k  # every candidate, or the exact top-k
         assert len(applied) == len(set(applied)) == count and np.count_nonzero(update) == count
         np.testing.assert_array_equal(update[applied], x[applied])  # the exact sums (of one rank)
-        np.testing.assert_array_equal(step.sent.numpy(), update)  # the residual is zero where applied
+        np.testing.assert_array_equal(x - residual, update)  # the residual is zero where applied, x elsewhere
 
 
 def test_the_sketch_s_own_top_k_does_not():

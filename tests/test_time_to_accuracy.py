@@ -26,7 +26,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
         pytest.skip(reason)
     out, figure = tmp_path / "tta.json", tmp_path / "tta.png"
     cmd = [sys.executable, str(BENCHMARKS / "time_to_accuracy.py"), "--rates=10gbit", "--ranks=2",
-           "--methods=fp16,onebit", "--layers=64,128,10", "--epochs=1", "--eval_every=5", "--lr=0.05",
+           "--methods=horovod_fp16,onebit", "--layers=64,128,10", "--epochs=1", "--eval_every=5", "--lr=0.05",
            "--timeout=90", f"--out={out}", f"--plot={figure}"]
     # --timeout kills a job's ranks and the launcher then removes its network; this one is the last resort.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220,
@@ -39,7 +39,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     assert figure.stat().st_size > 0
 
     runs = {r["method"]: r for r in json.loads(out.read_text())}
-    assert set(runs) == {"fp16", "onebit"}
+    assert set(runs) == {"horovod_fp16", "onebit"}
     for r in runs.values():
         assert r["hostnames"] == ["hc-ns0", "hc-ns1"] and r["rate"] == "10gbit" and r["ranks"] == 2
         assert r["steps"] == r["steps_per_epoch"] == 1437 // 64  # the train split's shards of 32 per rank
@@ -47,14 +47,14 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
         assert steps == [0, *range(5, r["steps"] + 1, 5), *([r["steps"]] if r["steps"] % 5 else [])]
         seconds = [p["seconds"] for p in r["curve"]]
         assert seconds[0] == 0 and all(b > a for a, b in zip(seconds, seconds[1:])), seconds
-        assert r["target"] == pytest.approx(runs["fp16"]["final_accuracy"] - 0.01)
-    fp16 = runs["fp16"]
+        assert r["target"] == pytest.approx(runs["horovod_fp16"]["final_accuracy"] - 0.01)
+    fp16 = runs["horovod_fp16"]
     assert fp16["final_accuracy"] > 0.5  # it learned: chance is 0.1
-    assert fp16["seconds_to_target"] is not None and fp16["vs_fp16"] == 1.0 and fp16["vs_fp32"] is None
+    assert fp16["seconds_to_target"] is not None and fp16["vs_horovod_fp16"] == 1.0 and fp16["vs_fp32"] is None
     onebit = runs["onebit"]
     if onebit["seconds_to_target"] is None:
-        assert onebit["vs_fp16"] is None and "never" in output
+        assert onebit["vs_horovod_fp16"] is None and "never" in output
     else:
-        assert onebit["vs_fp16"] == pytest.approx(fp16["seconds_to_target"] / onebit["seconds_to_target"])
+        assert onebit["vs_horovod_fp16"] == pytest.approx(fp16["seconds_to_target"] / onebit["seconds_to_target"])
     assert fp16["accounted"] == 2 * (64 * 128 + 128 + 128 * 10 + 10)  # the ring allreduce of 2-byte values, 2 ranks
     assert onebit["accounted"] < fp16["accounted"] / 4

@@ -114,3 +114,15 @@ class IdenticalRanks(tf.keras.callbacks.Callback):
             assert len(set(digests)) == 1, f"{self.method}: ranks differ after batch {batch} of epoch {epoch}"
         self.checked += len(self.recorded)
         self.recorded = []
+
+
+#: The registry's methods (hvd_compress.methods) as the tests' small models (a few thousand weights per
+#: tensor) run them: more coordinates or a higher rank than the defaults, so that a few steps move every layer.
+SMALL_MODEL = {"topk": dict(ratio=0.05), "randomk": dict(ratio=0.1), "powersgd": dict(rank=2), "sketch": dict(ratio=3),
+               "fetchsgd": dict(ratio=3)}
+
+
+def compression(method, **overrides):
+    """Method `method` of the registry, with the small-model settings and then `overrides`."""
+    import hvd_compress as hc
+    return hc.methods.compression(method, **{**SMALL_MODEL.get(method, {}), **overrides})

@@ -156,7 +156,7 @@ def check_fit():
     history = model.fit(train, epochs=5, callbacks=[lr_drop_at(4), accordion, keras.callbacks.TerminateOnNaN()],
                         verbose=0)
     exchange = opt.compression_exchange
-    bytes_by_setting = [[ex.bytes_sent for ex in alternatives] for alternatives in exchange.alternatives]
+    bytes_by_setting = [[choice.bytes_sent for choice in ex.choices] for ex in exchange.exchanges]
     return dict(model=digest(model.get_weights()), decisions=accordion.decisions,
                 traces=opt.traces,
                 logs={key: [float(v) for v in values] for key, values in history.history.items()},

@@ -19,7 +19,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import IdenticalRanks, keras_and_broadcast, report
+from _worker import IdenticalRanks, compression, keras_and_broadcast, report
 
 flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,fetchsgd,sgp", "Methods to run.")
 flags.DEFINE_bool("hc_callback", False, "Use hc.callbacks.BroadcastGlobalVariablesCallback in tf_keras too "
@@ -32,13 +32,8 @@ def make_optimizer(keras, method):
     sgd = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)
     if method == "sgp":  # overlap: the mass in flight is per-rank state too
         return hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
-    compression = {"onebit": hc.Compression.onebit(), "onebit_oneway": hc.Compression.onebit(),
-                   "topk": hc.Compression.topk(ratio=0.05), "randomk": hc.Compression.randomk(ratio=0.1),
-                   "powersgd": hc.Compression.powersgd(rank=2), "sketch": hc.Compression.sketch(ratio=3),
-                   "fetchsgd": hc.Compression.sketch(ratio=3, mode="fetchsgd")}[method]
     # Odd sizes: 29*37 + 37*23 + 23*5 = 2039 compressed elements, shards unequal at 3, 5, 7 ranks.
-    return hc.DistributedOptimizer(sgd, compression=compression, two_way=method != "onebit_oneway",
-                                   min_compress_size=64)
+    return hc.DistributedOptimizer(sgd, compression=compression(method), min_compress_size=64)
 
 
 def kept_state(opt):

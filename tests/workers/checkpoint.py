@@ -14,7 +14,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import compression, report
 
 import digits
 
@@ -36,21 +36,16 @@ def batch(step, x, y):
 
 
 def new_model_and_optimizer(keras, method):
-    compression = {"onebit": hc.Compression.onebit(block_size=512),
-                   "topk": hc.Compression.topk(ratio=0.02),
-                   "randomk": hc.Compression.randomk(ratio=0.05),
-                   "sketch": hc.Compression.sketch(ratio=4), "fetchsgd": hc.Compression.sketch(ratio=4, mode="fetchsgd"),
-                   "powersgd": hc.Compression.powersgd(rank=2),
-                   "sgp": None}[method]
     model = digits.cnn(keras, seed=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
     sgd = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
+    chosen = None if method == "sgp" else compression(method)
     if method == "sgp":  # overlap, so the mass in flight must be restored too
         opt = hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
     else:
-        opt = hc.DistributedOptimizer(sgd, compression=compression)
+        opt = hc.DistributedOptimizer(sgd, compression=chosen)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model, opt, compression
+    return model, opt, chosen
 
 
 def digest(variables):

@@ -24,7 +24,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd_tf
 import hvd_compress as hc
-from _worker import IdenticalRanks, define_list_of, keras_and_broadcast, report, weights_digest
+from _worker import IdenticalRanks, compression, define_list_of, keras_and_broadcast, report, weights_digest
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
@@ -38,19 +38,10 @@ BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 3, 3, 300
 BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 
 
-def compression(method):
-    return {"none": hc.Compression.none, "fp16": hc.Compression.fp16, "onebit": hc.Compression.onebit(),
-            "onebit_oneway": hc.Compression.onebit(), "topk": hc.Compression.topk(ratio=0.05),
-            "randomk": hc.Compression.randomk(ratio=0.1), "powersgd": hc.Compression.powersgd(rank=2),
-            "sketch": hc.Compression.sketch(ratio=3),
-            "fetchsgd": hc.Compression.sketch(ratio=3, mode="fetchsgd")}[method]
-
-
 def wrap(sgd, method):
     if method == "sgp":
         return hc.PushSumOptimizer(sgd, graph="exponential2")
-    return hc.DistributedOptimizer(sgd, compression=compression(method), two_way=method != "onebit_oneway",
-                                   min_compress_size=64)
+    return hc.DistributedOptimizer(sgd, compression=compression(method), min_compress_size=64)
 
 
 def digest(arrays):

@@ -20,6 +20,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
+import _worker
 from _worker import define_list_of, report, weights_digest
 
 METHODS = ["none", "onebit", "topk", "powersgd"]
@@ -73,8 +74,8 @@ def new_optimizer(cls):
 
 
 def compression(method):
-    return {"none": hc.Compression.none, "onebit": hc.Compression.onebit(),
-            "topk": hc.Compression.topk(ratio=0.1), "powersgd": hc.Compression.powersgd(rank=2)}[method]
+    """The method's compression; onebit one-way, so that a setting other than the default must come back."""
+    return _worker.compression(method, **({"two_way": False} if method == "onebit" else {}))
 
 
 def new_model():
@@ -118,8 +119,7 @@ def saved_and_loaded(cls, method, path):
     (format, loader, its model) for every loaded copy, with what the original had at the save."""
     model = new_model()
     optimizer = new_optimizer(cls)
-    wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64,
-                                      two_way=False)
+    wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64)
     assert wrapped is optimizer
     model.compile(optimizer=wrapped, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fit(model, 0)
@@ -144,7 +144,7 @@ def check(loaded, saved):
             "compression": repr(exchange.compression) if exchange else None,
             "same_compression": exchange is not None and repr(exchange.compression) == repr(
                 saved.compression_exchange.compression),
-            "same_settings": exchange is not None and (exchange.min_compress_size, exchange.two_way) == (64, False),
+            "same_settings": exchange is not None and exchange.min_compress_size == 64,
             "iterations": int(optimizer.iterations.numpy()), "saved_iterations": int(saved.iterations.numpy()),
             "scale": getattr(optimizer, "scale", None)}
 

@@ -22,6 +22,7 @@ hvd = hvd_tf  # rank, size and init; no Keras layer of Horovod here
 
 import hvd_compress as hc
 from _worker import IdenticalRanks, LoggedLines, keras_and_broadcast, report, weights_digest
+from _worker import compression as small_model_compression
 
 import digits
 
@@ -52,16 +53,14 @@ def new_model(keras, method):
 
 
 def compression(method):
-    return {"onebit": hc.Compression.onebit(), "onebit_oneway": hc.Compression.onebit(),
-            "topk": hc.Compression.topk(ratio=0.01), "randomk": hc.Compression.randomk(ratio=0.1),
-            "powersgd": hc.Compression.powersgd(rank=4), "sketch": hc.Compression.sketch(ratio=4.5),
-            "fetchsgd": hc.Compression.sketch(ratio=4.5, mode="fetchsgd")}[method]
+    """The registry's method; the digits CNN is large enough for the defaults of top-k and PowerSGD."""
+    return small_model_compression(method, **{"topk": dict(ratio=0.01), "powersgd": dict(rank=4)}.get(method, {}))
 
 
 def optimizer(sgd, method):
     if method == "sgp":  # overlap: the mass in flight is per-rank state (without it w_i stays 1)
         return hc.PushSumOptimizer(sgd, overlap=True)
-    return hc.DistributedOptimizer(sgd, compression=compression(method), two_way=method != "onebit_oneway")
+    return hc.DistributedOptimizer(sgd, compression=compression(method))
 
 
 def rank_state(opt):
@@ -130,7 +129,7 @@ def resume(method, fmt, keras, data, directory, saved):
         if method == "sgp":
             model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(sgd, overlap=True))
         else:
-            model = hc.load_model(path, compression=compression(method), two_way=method != "onebit_oneway")
+            model = hc.load_model(path, compression=compression(method))
     else:
         model = new_model(keras, method)
         if fmt == "weights":

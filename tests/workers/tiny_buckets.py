@@ -31,8 +31,8 @@ def run(sizes, two_way, block_size, process_set, compression=None):
     keras = hc.require_legacy_keras()
     ws = [tf.Variable(np.zeros(d, np.float32)) for d in sizes]
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=MU, nesterov=True),
-                                  compression=compression or hc.Compression.onebit(block_size=block_size),
-                                  two_way=two_way,
+                                  compression=compression or hc.Compression.onebit(block_size=block_size,
+                                                                                  two_way=two_way),
                                   min_compress_size=1, fusion_threshold_bytes=1, process_set=process_set,
                                   name=f"hc.n{process_set.size()}.{two_way}.{block_size}")
     step = tf.function(lambda gs: opt.apply_gradients(zip(gs, ws)))

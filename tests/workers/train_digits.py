@@ -11,20 +11,22 @@ from _worker import IdenticalRanks, define_list_of, keras_and_broadcast, report,
 
 import digits
 
-#: Run name -> (compression, two_way, optimizer); "sgp" is PushSumOptimizer over the same SGD.
+#: Run name -> (method of hvd_compress.methods, its overrides, optimizer); "sgp" is PushSumOptimizer over the same SGD.
 RUNS = {
-    "none": (lambda: hc.Compression.none, True, "sgd"),
-    "onebit": (lambda: hc.Compression.onebit(), True, "sgd"),
-    "onebit_oneway": (lambda: hc.Compression.onebit(), False, "sgd"),
-    "topk": (lambda: hc.Compression.topk(ratio=0.01), True, "sgd"),
-    "randomk": (lambda: hc.Compression.randomk(ratio=0.1), True, "sgd"),
+    "none": ("none", {}, "sgd"),
+    "onebit": ("onebit", {}, "sgd"),
+    "onebit_oneway": ("onebit_oneway", {}, "sgd"),
+    "quantize8": ("quantize8", {}, "sgd"),
+    "quantize4": ("quantize4", {}, "sgd"),
+    "topk": ("topk", {}, "sgd"),
+    "randomk": ("randomk", dict(ratio=0.1), "sgd"),
     # Sketched SGD at 4.1x and 8.1x of all bytes (4.5x and 10x of the compressed tensors', biases travel dense).
-    "sketch": (lambda: hc.Compression.sketch(ratio=4.5), True, "sgd"),
-    "sketch8": (lambda: hc.Compression.sketch(ratio=10), True, "sgd"),
-    "fetchsgd": (lambda: hc.Compression.sketch(ratio=4.5, mode="fetchsgd"), True, "sgd"),  # 4.1x too
-    "powersgd": (lambda: hc.Compression.powersgd(rank=4), True, "sgd"),
-    "onebit_adam": (lambda: hc.Compression.onebit(), True, "adam"),  # plain error feedback under Adam
-    "sgp": (None, None, "sgd"),
+    "sketch": ("sketch", dict(ratio=4.5), "sgd"),
+    "sketch8": ("sketch", dict(ratio=10), "sgd"),
+    "fetchsgd": ("fetchsgd", dict(ratio=4.5), "sgd"),  # 4.1x too
+    "powersgd": ("powersgd", {}, "sgd"),
+    "onebit_adam": ("onebit", {}, "adam"),  # plain error feedback under Adam
+    "sgp": ("sgp", {}, "sgd"),
 }
 define_list_of("runs", RUNS, ["none"], "Runs.")
 flags.DEFINE_integer("epochs", 16, "Epochs of each run.")
@@ -43,14 +45,14 @@ def train(keras, broadcast, run, data):
     tf.keras.utils.set_random_seed(0)
     train_set, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), 32, 0)
     model = digits.cnn(keras, 0)
-    compression, two_way, inner_name = RUNS[run]
+    method, overrides, inner_name = RUNS[run]
     inner = (keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9, nesterov=True) if inner_name == "sgd"
              else keras.optimizers.Adam(0.002))
     identical = IdenticalRanks(run)
     if run == "sgp":
         optimizer, callbacks = hc.PushSumOptimizer(inner), [Spread()]
     else:
-        optimizer = hc.DistributedOptimizer(inner, compression=compression(), two_way=two_way)
+        optimizer = hc.DistributedOptimizer(inner, compression=hc.methods.compression(method, **overrides))
         callbacks = [identical, hc.callbacks.CompressionMetrics(recall=run.startswith("sketch"))]
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

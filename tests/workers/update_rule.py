@@ -27,14 +27,14 @@ def grads_of(rank, step):
     return (rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(DENSE).astype(np.float32))
 
 
-def run(compression, two_way, nesterov, process_set):
+def run(compression, nesterov, process_set):
     """Trains the two variables with hc; returns the final values."""
     keras = tf.keras  # tf_keras or Keras 3: TF_USE_LEGACY_KERAS decides
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
     opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=nesterov),
-                                  compression=compression, two_way=two_way, process_set=process_set,
+                                  compression=compression, process_set=process_set,
                                   name=f"hc.n{process_set.size()}")
 
     @tf.function
@@ -120,7 +120,7 @@ def reference_powersgd(compression, size, nesterov, schedule=None):
 def run_tape(block_size, process_set):
     """A custom loop: DistributedGradientTape with a GradientExchange, then plain SGD."""
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size), two_way=True,
+    exchange = hc.GradientExchange(hc.Compression.onebit(block_size=block_size),
                                    process_set=process_set, name=f"hc.tape.n{process_set.size()}")
     sgd = tf.keras.optimizers.SGD(0.1)
 
@@ -181,21 +181,21 @@ def check_world(process_set, digests):
     """Every update rule on `process_set` against its reference; adds "n/case": digest."""
     size = process_set.size()
     cases = {
-        "onebit two-way nesterov": (hc.Compression.onebit(), True, True,
+        "onebit two-way nesterov": (hc.Compression.onebit(), True,
                                     lambda: reference_onebit(None, True, True, size)),
-        "onebit two-way blocks": (hc.Compression.onebit(block_size=64), True, False,
+        "onebit two-way blocks": (hc.Compression.onebit(block_size=64), False,
                                   lambda: reference_onebit(64, True, False, size)),
-        "onebit one-way blocks": (hc.Compression.onebit(block_size=64), False, True,
+        "onebit one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), True,
                                   lambda: reference_onebit(64, False, True, size)),
-        "topk": (hc.Compression.topk(ratio=0.05), True, True,
+        "topk": (hc.Compression.topk(ratio=0.05), True,
                  lambda: reference_sparse(hc.Compression.topk(ratio=0.05), size, True)),
-        "randomk": (hc.Compression.randomk(ratio=0.05, seed=3), True, True,
+        "randomk": (hc.Compression.randomk(ratio=0.05, seed=3), True,
                     lambda: reference_sparse(hc.Compression.randomk(ratio=0.05, seed=3), size, True)),
-        "powersgd": (hc.Compression.powersgd(rank=3, seed=2), True, True,
+        "powersgd": (hc.Compression.powersgd(rank=3, seed=2), True,
                      lambda: reference_powersgd(hc.Compression.powersgd(rank=3, seed=2), size, True)),
     }
-    for name, (compression, two_way, nesterov, reference) in cases.items():
-        w, b = run(compression, two_way, nesterov, process_set)
+    for name, (compression, nesterov, reference) in cases.items():
+        w, b = run(compression, nesterov, process_set)
         want = reference()
         np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"n={size} {name}")
         assert np.abs(w).max() > 0.01, name  # something was learned
@@ -203,7 +203,7 @@ def check_world(process_set, digests):
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
     for chunk_bytes in (exchange.HALF_CHUNK_BYTES, 256):  # the buffer in one piece, and in pieces of 256 bytes
         exchange.HALF_CHUNK_BYTES, default = chunk_bytes, exchange.HALF_CHUNK_BYTES
-        w, b = run(hc.Compression.fp16, True, True, process_set)  # every tensor by the 16-bit exchange
+        w, b = run(hc.Compression.fp16, True, process_set)  # every tensor by the 16-bit exchange
         exchange.HALF_CHUNK_BYTES = default
         for got, variable in ((w, 0), (b, 1)):
             np.testing.assert_allclose(got, reference_dense(True, size, variable, ref.half_mean), rtol=1e-5,
@@ -213,7 +213,7 @@ def check_world(process_set, digests):
     sketches = {  # every candidate's exact sum (momentum masked or kept); the exact top-k among them; the
         # sketch's top-k; FetchSGD
         "sketch second_round=True": hc.Compression.sketch(ratio=6, seed=5),
-        "sketch mask_momentum=False": hc.Compression.sketch(ratio=6, mask_momentum=False, seed=5),
+        "sketch mask_momentum=True": hc.Compression.sketch(ratio=6, mask_momentum=True, seed=5),
         "sketch apply_candidates=False": hc.Compression.sketch(ratio=6, apply_candidates=False, seed=5),
         "sketch second_round=False": hc.Compression.sketch(ratio=6, second_round=False, seed=5),
         "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5),
@@ -230,10 +230,92 @@ def check_world(process_set, digests):
     digests[f"{size}/tape"] = hashlib.sha256(w.tobytes()).hexdigest()
 
 
+QUANTIZE_SHAPES = [(60, 50), (37, 29)]  # one bucket of two tensors, 4073 elements: odd shards and blocks
+
+
+def run_quantize_tape(compression, process_set):
+    """DistributedGradientTape with a GradientExchange of `compression` (quantize): the averaged
+    gradient it returns at every step, as one flat vector."""
+    ws = [tf.Variable(np.zeros(s, np.float32)) for s in QUANTIZE_SHAPES]
+    exchange_ = hc.GradientExchange(compression, process_set=process_set,
+                                    name=f"hc.quantize{compression.bits}.n{process_set.size()}")
+
+    @tf.function
+    def step(gs):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(w * g) for w, g in zip(ws, gs)])  # d loss / d w = g
+        grads = hc.DistributedGradientTape(tape, exchange=exchange_).gradient(loss, ws)
+        return tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+
+    return [step([tf.constant(g) for g in quantize_grads(process_set.rank(), t)]).numpy() for t in range(FLAGS.steps)]
+
+
+def quantize_grads(rank, step):
+    rng = np.random.default_rng(1000 + 100 * step + rank)
+    return [(rng.standard_normal(s) * (1 + i)).astype(np.float32) for i, s in enumerate(QUANTIZE_SHAPES)]
+
+
+def reference_quantize(c, size):
+    """The two-way quantized exchange in NumPy (hvd_compress/quantize.py's rule): per step, every
+    worker quantizes g + e (its draws keyed by bucket 0, its rank and the worker side), shard j's
+    owner averages the ranks' shard j, adds its residual and quantizes again (server side), and the
+    mean D is the concatenation of the owners' decodes."""
+    sizes = [int(np.prod(s)) for s in QUANTIZE_SHAPES]
+    d = sum(sizes)
+    cuts = exchange.shard_cuts(d, size)
+    bounds = np.union1d(hc.ops.layout_bounds(sizes, c.block_size), cuts)
+
+    def draws(rank, server, step):
+        return (hc.compressor.seed_key(c.seed, rank * 2 + int(server)), step)
+
+    e = [np.zeros(d, np.float32) for _ in range(size)]
+    e_server = [np.zeros(cuts[j + 1] - cuts[j], np.float32) for j in range(size)]
+    out = []
+    for t in range(FLAGS.steps):
+        decoded = []  # each worker's decode, whose shards the owners average
+        for r in range(size):
+            a = np.concatenate([g.reshape(-1) for g in quantize_grads(r, t)]) + e[r]
+            packed, scales, offsets, residual = ref.block_quantize_compress(a, bounds, c.bits, c.stochastic,
+                                                                             draws(r, False, t))
+            decoded.append(ref.block_quantize_decode(packed, scales, offsets, bounds, c.bits))
+            if c.error_feedback:
+                e[r] = residual
+        pieces = []
+        for j in range(size):
+            lo, hi = cuts[j], cuts[j + 1]
+            shard_bounds = bounds[(bounds >= lo) & (bounds <= hi)] - lo
+            acc = np.zeros(hi - lo, np.float32)
+            for r in range(size):  # the decode_mean's order: acc += each rank's decode, / m, + e_s
+                acc = acc + decoded[r][lo:hi]
+            mean = acc / np.float32(size) + e_server[j] if c.error_feedback else acc / np.float32(size)
+            packed, scales, offsets, residual = ref.block_quantize_compress(mean, shard_bounds, c.bits, c.stochastic,
+                                                                             draws(j, True, t))
+            if c.error_feedback:
+                e_server[j] = residual
+            pieces.append(ref.block_quantize_decode(packed, scales, offsets, shard_bounds, c.bits))
+        out.append(np.concatenate(pieces))
+    return out
+
+
+def check_quantize(process_set, digests):
+    """Compression.quantize at 8, 4 and 2 bits, stochastic or not, with and without error feedback: the
+    averaged gradient of every step equals the NumPy reference's bit for bit."""
+    size = process_set.size()
+    for compression in (hc.Compression.quantize(bits=8, block_size=64), hc.Compression.quantize(bits=4, seed=3),
+                        hc.Compression.quantize(bits=2, block_size=100, stochastic=False),
+                        hc.Compression.quantize(bits=4, block_size=128, error_feedback=False)):
+        got = run_quantize_tape(compression, process_set)
+        for t, (g, want) in enumerate(zip(got, reference_quantize(compression, size))):
+            np.testing.assert_array_equal(g, want, err_msg=f"n={size} {compression!r} step {t}")
+        assert np.abs(got[-1]).max() > 0.1, compression
+        digests[f"{size}/{compression!r}"] = hashlib.sha256(np.concatenate(got).tobytes()).hexdigest()
+
+
 def main(_):
     digests = {}
     for process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]]).values():
         check_world(process_set, digests)
+        check_quantize(process_set, digests)
     report(hvd, digests=digests)
 
 

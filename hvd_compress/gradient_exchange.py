@@ -1,0 +1,497 @@
+"""GradientExchange: the compressed exchange of one list of variables, with the worker's side of
+each compressor's update rule (compressor.py).
+
+Layout. At the first step the trainable variables are split into
+- compressed: float tensors of at least `min_compress_size` elements, fused in
+  order into buckets of at most `fusion_threshold_bytes` (one payload and one
+  or two collectives per bucket per step); the compressor plans each bucket's
+  exchange (`plan(bucket)`);
+- dense: the rest (biases, integer tensors), averaged uncompressed by one
+  grouped allreduce, with the chosen Horovod compression (none/fp16).
+Every rank checks, at the first step, that all ranks have the same
+compression settings and variables (a clear error instead of a hang).
+
+State. Replicated state (the wrapped optimizer's slots, PowerSGD's Q,
+Accordion's history) is optimizer variables: Horovod's broadcasts, elastic
+sync and model files carry it. Per-rank and sharded state (residuals,
+momenta, server-residual shards) is kept apart, in checkpoints only, with the
+rank and world size it belongs to; a restore onto another rank or world size
+starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
+
+Update rules (the compressor's `update_rule`; `direct_update` where lr is inside):
+- ERROR_FEEDBACK: a_i = g_i + e_i, e_i = a_i - sent_i; the mean is the gradient.
+- MOMENTUM_IN_FRONT under SGD: m_i = mu m_i + g_i, a_i = lr p_i + s e_i (ops.momentum_error_feed),
+  and the mean D is a delta the optimizer subtracts; under other optimizers ERROR_FEEDBACK.
+- EXCHANGE_FEEDBACK: the worker hands plain gradients; the exchange keeps error and momentum.
+- NO_FEEDBACK: a_i = g_i; nothing is kept.
+"""
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_compress import exchange, ops, state
+from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
+                                     NoneCompressor, StatefulCompressor)
+from hvd_compress.accordion import AdaptiveCompression
+from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
+
+DEFAULT_MIN_COMPRESS_SIZE = 1024
+DEFAULT_FUSION_THRESHOLD_BYTES = 16 << 20  # several buckets: one is decoded while the next are on the wire
+
+
+class Layout:
+    """Which variables are compressed, how they are fused into buckets, and the dense rest."""
+
+    def __init__(self, variables, compression, min_compress_size, fusion_threshold_bytes):
+        self.shapes = [tuple(tf.TensorShape(v.shape).as_list()) for v in variables]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.compressed, self.dense, self.empty = [], [], []
+        for i, (v, size) in enumerate(zip(variables, self.sizes)):
+            if size == 0:
+                self.empty.append(i)
+            elif (compression.requires_optimizer and tf.as_dtype(v.dtype).is_floating and size >= min_compress_size
+                  and compression.compresses(self.shapes[i])):
+                self.compressed.append(i)
+            else:
+                self.dense.append(i)
+        self.buckets = [[self.compressed[j] for j in bucket] for bucket in
+                        exchange.fuse_in_order([4 * self.sizes[i] for i in self.compressed], fusion_threshold_bytes)]
+        #: position of a compressed variable among the per-variable slots
+        self.slot = {i: position for position, i in enumerate(self.compressed)}
+
+    def bucket_size(self, bucket):
+        return sum(self.sizes[i] for i in bucket)
+
+
+def _new_replicated_variable(spec):
+    return tf.Variable(spec.initial_value(), trainable=False, name=f"hc_{safe_name(spec.name)}")
+
+
+class GradientExchange(tf.Module):
+    """The compressed exchange with error feedback, for one fixed list of variables.
+
+    It plans the layout at the first step and creates its state, each piece
+    with its scope (hvd_compress/state.py): per-rank and sharded state in a
+    RankLocalState (checkpointed with its owner, never broadcast), replicated
+    state through the factory `build` is given (optimizer variables for
+    DistributedOptimizer, so Horovod's broadcasts and model files see it;
+    this module's own variables otherwise). Each step turns local gradients
+    into averaged gradients or, where the update rule puts the learning rate inside
+    (`direct_update`: dist-EF-SGD, sketched SGD, FetchSGD under SGD), the parameter deltas D.
+    For custom loops create one, once, and pass it to every
+    DistributedGradientTape; checkpoint it with tf.train.Checkpoint(exchange=...).
+    After an elastic reset, `replan()` plans for the new world.
+    """
+
+    def __init__(self, compression, process_set=hvd.global_process_set, op=hvd.Average,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False,
+                 min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
+                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc", two_way=None):
+        super().__init__(name=name.replace(".", "_"))
+        refuse_two_way(two_way)
+        compression = _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes)
+        self.compression, self.process_set = compression, process_set
+        self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
+        self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
+        self.collective_name = name
+        self.monitor = None  # an accordion.RegimeDetector, fed every step's local gradients
+        self.accumulate = False  # True: keeps per-rank sums of micro-batch gradients (backward passes)
+        self.built = False
+        self.traced = False  # a step was traced (or run eagerly)
+        self.recall_totals = None  # [sum of recalls, sum of captured mass, steps] once measure_recall() ran
+        self._replicated_variables = []  # this module's replicated state when no factory is given
+        object.__setattr__(self, "rank_state", None)  # tracked by the holder (state.track)
+        object.__setattr__(self, "agreement", state.RanksAgreement())  # due at the first step of each plan
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
+                                        self.rank_state, save_type)
+
+    def use_accordion(self, compression, detector):
+        """Switches to Accordion's two settings (accordion.AdaptiveCompression) watched by
+        `detector`; before the first step, since both settings are planned then."""
+        if self.built:
+            if repr(compression) == repr(self.compression) and repr(detector) == repr(self.monitor):
+                return
+            raise ValueError(f"This optimizer already ran a step with {self.compression!r}; Accordion "
+                             "plans both of its settings at the first step. Add the callback to the "
+                             "first model.fit of a new or freshly loaded optimizer.")
+        if self.monitor is not None and repr(detector) != repr(self.monitor):
+            raise ValueError(f"This optimizer is already watched by {self.monitor!r}; use one Accordion "
+                             "callback (compression or batch size) per optimizer.")
+        if isinstance(compression, AdaptiveCompression):
+            if detector.groups != "variable":
+                raise ValueError("Adaptive compression follows the regime of each compressed variable: "
+                                 "it needs a RegimeDetector(groups='variable').")
+            if self.recall_totals is not None:
+                raise ValueError("The recall metric is measured for sketched SGD alone, not under Accordion.")
+            compression.detector = detector
+        self.compression, self.monitor = compression, detector
+
+    # -- planning and state -------------------------------------------------------------
+    def build(self, variables, new_replicated=None, holder=None, sgd=False):
+        """Plans the layout and creates the state. sgd: the optimizer that applies the result is (Keras)
+        SGD, so update rules that put the learning rate and momentum inside run that way.
+
+        new_replicated(spec) -> variable creates replicated state (default: this
+        module's variables); holder tracks the per-rank state for checkpoints
+        (default: this module).
+        """
+        if self.built:
+            return
+        variables = list(variables)
+        rule = self.compression.update_rule
+        self.direct_update = sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)
+        #: the worker keeps a residual per compressed variable (error feedback), and a momentum in front
+        self.keeps_residual = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
+        self.keeps_momentum = self.direct_update and rule == MOMENTUM_IN_FRONT
+        # Kept as plain facts, not references: the module must not track the model's variables.
+        self.variable_ids = [id(v) for v in variables]
+        self.variable_names = [variable_name(v) for v in variables]
+        self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        self.layout = Layout(variables, self.compression, self.min_compress_size,
+                             self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
+        object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
+        object.__setattr__(self, "_holder", holder or self)
+        object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
+        # A tape brings no step counter, and random-k, PowerSGD without warm start and the sketches
+        # draw from the step: an exchange that owns its state counts its own steps. A stateless one
+        # (none, fp16) creates no variable, so a tape may make it inside a tf.function.
+        self.own_steps = (None if new_replicated or not self.compression.requires_optimizer else
+                          self._state_variable(StateSpec("steps", (), REPLICATED, tf.int64), None))
+        # dist-EF-SGD's residuals follow the learning rate (_residual_scale): the last step's rate.
+        self.previous_learning_rate = (self._state_variable(StateSpec("previous_learning_rate", (), REPLICATED), None)
+                                       if self.direct_update else None)
+        self.world = None
+        self._plan_world()
+        self.built = True
+
+    def _new_module_variable(self, spec):
+        variable = _new_replicated_variable(spec)
+        self._replicated_variables.append(variable)
+        return variable
+
+    def replan(self):
+        """After the world changed (an elastic reset): plans every exchange for the new rank and
+        size, keeps the replicated state and starts per-rank and sharded state afresh. Every
+        rank calls it; retrace the step afterwards (its first trace checks that the ranks agree)."""
+        self._plan_world()
+
+    def _plan_world(self):
+        """Plans every bucket's exchange for this rank and world size and creates the per-rank and
+        sharded state anew; the first step checks that every rank agrees and reports a checkpoint's
+        reset. No collective here."""
+        rank, size = self.process_set.rank(), self.process_set.size()
+        previous, self.world = self.world, (hvd.rank(), size)
+        # Plan every exchange first: a bad size is refused before any collective runs.
+        self.exchanges = [exchange.plan(self.compression, exchange.Bucket(
+            b, [self.layout.shapes[i] for i in bucket], rank, size, self.process_set, self._collective(b)))
+            for b, bucket in enumerate(self.layout.buckets)]
+        rank_state = RankLocalState(rank, size)
+
+        def new_state(spec):
+            return self._state_variable(spec, rank_state)
+
+        def per_variable(kind, i):  # keyed by position: Keras's layer names depend on what was built before
+            return new_state(StateSpec(f"{kind}/{i}", self.layout.shapes[i], PER_RANK,
+                                       state_dtype(self.variable_dtypes[i])))
+
+        # The worker's side of the update rule: error feedback (and momentum in front); None where
+        # the rule keeps none (the exchange's own, FetchSGD; an unbiased compressor).
+        self.residuals = [per_variable("residual", i) if self.keeps_residual else None for i in self.layout.compressed]
+        self.momenta = [per_variable("momentum", i) for i in self.layout.compressed] if self.keeps_momentum else []
+        if self.accumulate:
+            self.accumulated = [per_variable("accumulated_gradient", i) for i in range(len(self.variable_ids))]
+            self.passes = new_state(StateSpec("accumulated_passes/all", (), PER_RANK, tf.int64))
+        # Each exchange's own state (the onebit server residual, PowerSGD's Q), by bucket.
+        self.exchange_state = [{spec.name: new_state(spec._replace(name=f"{spec.name}/{self._collective(b)}"))
+                                for spec in ex.state} for b, ex in enumerate(self.exchanges)]
+        if self.monitor is not None:
+            self.monitor.build(self.variable_names, self.layout, new_state)
+        object.__setattr__(self, "rank_state", rank_state)
+        state.track(self._holder, rank_state)  # a pending checkpoint restore happens here
+        self._plan_agreement(previous)
+        dense_compression = NoneCompressor if self.compression.requires_optimizer else self.compression
+        self.dense_exchange = exchange.plan_dense(
+            dense_compression, [self.layout.shapes[i] for i in self.layout.dense],
+            [self.variable_dtypes[i] for i in self.layout.dense], rank, size, self.process_set, self.op,
+            self.predivide, self.fusion_threshold_bytes, f"{self.collective_name}.dense")
+
+    def _collective(self, b):
+        """The name of bucket b's collectives."""
+        return f"{self.collective_name}.bucket{b}"
+
+    def _state_variable(self, spec, rank_state):
+        """The variable of a StateSpec: replicated state is created once (and reused when the world
+        changes), per-rank and sharded state in this world's RankLocalState."""
+        if spec.scope != REPLICATED:
+            return rank_state.add(spec)
+        if spec.name not in self.replicated:
+            self.replicated[spec.name] = self._new_replicated(spec)
+        return self.replicated[spec.name]
+
+    def _plan_agreement(self, previous_world):
+        """Every rank checks, at the first step of this plan, that all ranks have these settings."""
+        settings = (f"{self.compression!r} op={self.op} "
+                    f"min_compress_size={self.min_compress_size} "
+                    f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
+                    f"direct_update={self.direct_update} "
+                    f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
+        self.agreement.plan(settings, self.rank_state, self.process_set, self.collective_name,
+                            None if previous_world is None else previous_world[1])
+
+    @property
+    def low_rank_q(self):
+        """PowerSGD's warm-started Q factors (replicated state)."""
+        return [v for name, v in self.replicated.items() if name.startswith("powersgd_q/")]
+
+    @property
+    def server_residuals(self):
+        """This rank's shards of the two-way server residuals (sharded state)."""
+        return [v for name, v in self.rank_state.variables.items() if name.startswith("server_residual")]
+
+    @property
+    def bytes_sent(self):
+        """Bytes one worker sends per step (it receives as many)."""
+        return sum(ex.bytes_sent for ex in self.exchanges) + self.dense_exchange.bytes_sent
+
+    @property
+    def uncompressed_bytes(self):
+        """What Horovod's fp32 ring allreduce of every gradient would send per step."""
+        return exchange.allreduce_bytes(4 * sum(self.layout.sizes), self.process_set.size())
+
+    def residual_norm(self):
+        """Global norm of the worker residuals and of what the exchanges hold back (this rank's
+        server residuals; FetchSGD: an estimate from its error sketches), every setting's."""
+        tensors = [r for r in self.residuals if r is not None]
+        for ex, own in zip(self.exchanges, self.exchange_state):
+            tensors += ex.residual(own)
+        return tf.linalg.global_norm(tensors) if tensors else tf.constant(0.0)
+
+    # -- one step -----------------------------------------------------------------------
+    def arrange(self, grads_and_vars, owner):
+        """(gradients, variables) in the planned order, None for planned variables that are not in
+        grads_and_vars or whose gradient is None: those are left alone this step."""
+        pairs = list(grads_and_vars)
+        check_known_variables(self.variable_ids, [v for _, v in pairs], owner)
+        position = {vid: i for i, vid in enumerate(self.variable_ids)}
+        grads, variables = [None] * len(position), [None] * len(position)
+        for g, v in pairs:
+            grads[position[id(v)]], variables[position[id(v)]] = g, v
+        return grads, variables
+
+    def prepare(self, grads):
+        """Checks and densifies the gradients (None -> zeros, so that the collectives pair up;
+        IndexedSlices -> dense)."""
+        prepared = []
+        for g, name, shape, dtype in zip(grads, self.variable_names, self.layout.shapes, self.variable_dtypes):
+            if g is None:
+                g = tf.zeros(shape, dtype)
+            elif isinstance(g, tf.IndexedSlices):  # Embeddings, tf.gather: densified, then compressed
+                g = tf.convert_to_tensor(g)
+            if not g.dtype.is_floating:
+                raise TypeError(
+                    f"The gradient of {name} has dtype {g.dtype.name}; hvd_compress averages float "
+                    "gradients only. Make integer variables non-trainable.")
+            prepared.append(g)
+        return prepared
+
+    def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
+        """Returns one tensor per variable, in its dtype: a delta to subtract (compressed variables
+        in direct-update mode; an exchange.EncodedPart for exchange.subtract where the bucket's update
+        may stay encoded, `_subtracts_encoded`) or an averaged gradient (everything else); None where the gradient
+        is None (zeros travel in its place, and its state is left as it was). step: the optimizer's
+        iteration; None (a tape) uses and advances the exchange's own count, `own_steps`."""
+        self.traced = True
+        self.agreement.check()
+        with tf.name_scope("hc_exchange"):  # name scopes read by benchmarks/overhead.py
+            counted = step is None and self.own_steps is not None
+            if counted:
+                step = self.own_steps.read_value()
+            elif step is None:  # stateless: no exchange reads the step
+                step = tf.constant(0, tf.int64)
+            residual_scale = self._residual_scale(learning_rate) if self.direct_update else None
+            info = exchange.StepInfo(step, learning_rate, momentum if learning_rate is not None else 0.0, nesterov,
+                                     residual_scale=residual_scale)
+            absent = {i for i, g in enumerate(grads) if g is None}
+            with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
+                grads = [tf.identity(g) for g in self.prepare(grads)]
+            out = list(grads)
+            dense = self.dense_exchange([grads[i] for i in self.layout.dense])
+            for i, g in zip(self.layout.dense, dense):
+                out[i] = g
+            if self.monitor is not None:
+                self.monitor.observe(grads)
+            for bucket, ex, own in zip(self.layout.buckets, self.exchanges, self.exchange_state):
+                parts = [tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov, residual_scale)
+                                    if i not in absent else tf.zeros(self.layout.shapes[i]), [-1]) for i in bucket]
+                result = self._run(ex, own, bucket, parts, info)
+                updates = result.update
+                if not self._subtracts_encoded(bucket):
+                    updates = exchange.decoded(updates, [int(p.shape[0]) for p in parts])
+                residuals = result.residual if result.residual is not None else [None] * len(bucket)
+                for i, residual, update in zip(bucket, residuals, updates):
+                    shape, kept = self.layout.shapes[i], self.residuals[self.layout.slot[i]]
+                    if i not in absent and kept is not None:
+                        with tf.name_scope("hc_state_update"):
+                            kept.assign(tf.reshape(residual, shape))
+                    if isinstance(update, exchange.EncodedPart):  # decoded into the variable by exchange.subtract
+                        out[i] = update
+                    else:
+                        if self.op == hvd.Sum:
+                            update = update * self.process_set.size()
+                        out[i] = tf.cast(tf.reshape(update, shape), self.variable_dtypes[i])
+            if counted:
+                self.own_steps.assign_add(1)
+            return [None if i in absent else g for i, g in enumerate(out)]
+
+    def _subtracts_encoded(self, bucket):
+        """Whether the bucket's update may reach the optimizer encoded (exchange.EncodedPart), to be
+        decoded straight into its variables: in direct-update mode (the optimizer subtracts it),
+        averaged (hvd.Sum scales it first) and for float32 variables."""
+        return (self.direct_update and self.op == hvd.Average
+                and all(self.variable_dtypes[i] == tf.float32 for i in bucket))
+
+    def _run(self, ex, own_state, bucket, parts, step):
+        """Runs one bucket's exchange, stores its new state and masks the worker's momentum where it
+        says so; returns its Exchanged."""
+        result = ex(parts, own_state, step)
+        if self.keeps_residual and result.residual is None:
+            raise TypeError(f"{type(ex).__name__} returned no residual, and {self.compression!r}'s update rule "
+                            f"({self.compression.update_rule}) keeps one: return Exchanged(residual, ...).")
+        with tf.name_scope("hc_state_update"):
+            for name, value in result.state.items():
+                own_state[name].assign(value)
+        if self.momenta and ex.masks_momentum:  # sketched SGD: zero u where it applied the update
+            if result.applied is None:
+                raise TypeError(f"{type(ex).__name__} masks momentum but its Exchanged says nowhere where the "
+                                f"update was applied: return Exchanged(..., applied=indices).")
+            with tf.name_scope("hc_state_update"):
+                self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
+        if self.recall_totals is not None and result.applied is not None:
+            self._record_recall(tf.concat(parts, 0), result.applied, ex)
+        return result
+
+    def measure_recall(self):
+        """Turns on the recall metric (CompressionMetrics(recall=True)) before the first step is
+        traced. Each step then also allreduces the whole error-fed vector (a debugging cost) and
+        adds to `recall_totals`: the fraction of the true top-k of the summed vector that the applied
+        set holds (k: the heavy coordinates the exchange's candidates are sized for; the applied set
+        holds all the candidates unless apply_candidates=False), and the fraction of those k
+        coordinates' squared mass that it captures."""
+        if self.recall_totals is not None:
+            return
+        if self.traced:
+            raise ValueError("The recall metric must be turned on before the first step: add "
+                             "hc.callbacks.CompressionMetrics(recall=True) to the first model.fit of this optimizer.")
+        if isinstance(self.compression, AdaptiveCompression):
+            raise ValueError("The recall metric is measured for sketched SGD alone, not under Accordion: measure "
+                             "it in a run without the Accordion callback.")
+        if getattr(self.compression, "mode", None) != "sketched":
+            raise ValueError(f"Recall is measured for Compression.sketch's sketched SGD (the coordinates it applies "
+                             f"are the same on every rank, and the vector they come from is the sum of the ranks' "
+                             f"error-fed values; FetchSGD's lives in sketch space only); this optimizer uses "
+                             f"{self.compression!r}.")
+        with tf.init_scope():
+            object.__setattr__(self, "recall_totals", tf.Variable(tf.zeros([3]), trainable=False,
+                                                                  name="hc_recall_totals"))
+
+    def _record_recall(self, flat, applied, ex):
+        summed = hvd.allreduce(flat, op=hvd.Sum, process_set=self.process_set, name=ex.bucket.name + ".recall")
+        _, true = ops.top_k_abs(summed, ex.k)
+        in_true = tf.gather(ops.scatter_dense(true, tf.ones([ex.k]), ex.bucket.num_elements), applied)
+        recall = tf.reduce_sum(in_true) / ex.k
+        mass = tf.math.divide_no_nan(tf.reduce_sum(in_true * tf.square(tf.gather(summed, applied))),
+                                     tf.reduce_sum(tf.square(tf.gather(summed, true))))  # 0 for a zero vector
+        self.recall_totals.assign_add(tf.stack([recall, mass, 1.0]))
+
+    def _zero_momentum_at(self, bucket, indices, num_elements):
+        keep = 1.0 - ops.scatter_dense(indices, tf.ones_like(indices, tf.float32), num_elements)
+        offset = 0
+        for i in bucket:
+            size, shape = self.layout.sizes[i], self.layout.shapes[i]
+            m = self.momenta[self.layout.slot[i]]
+            m.assign(m * tf.reshape(keep[offset:offset + size], shape))
+            offset += size
+
+    def _residual_scale(self, learning_rate):
+        """lr / the previous step's lr (1 at the first step), and this step's lr kept as the previous.
+
+        In direct-update mode (dist-EF-SGD, sketched SGD) the residuals hold learning-rate-scaled
+        leftovers (a = lr p + e). The paper leaves them as they are when the rate changes, so after a
+        drop from 0.1 to 0.001 the old-rate leftovers keep leaking into the weights for epochs. Here
+        the worker residuals and the two-way server residual are multiplied by this scale, which is
+        the same as keeping them in gradient units: measured on the digits CNN (docs/algorithms.md,
+        "Residuals follow the learning rate"), 12-14x less movement of the compressed
+        weights in the epoch after a drop, and final accuracy as good or better in 15 of 16 paired runs."""
+        previous = tf.convert_to_tensor(self.previous_learning_rate)  # (a Keras 3 variable has no read_value)
+        scale = tf.where(previous > 0, tf.math.divide_no_nan(learning_rate, previous), 1.0)
+        with tf.control_dependencies([scale]):
+            self.previous_learning_rate.assign(learning_rate)
+        return scale
+
+    def _error_fed(self, i, g, learning_rate, momentum, nesterov, residual_scale):
+        """a_i: lr * (Nesterov) momentum + residual_scale * e_i in direct-update mode, else g_i + e_i;
+        g_i itself where the exchange keeps error and momentum (FetchSGD)."""
+        g = tf.cast(g, tf.float32)
+        e = self.residuals[self.layout.slot[i]]
+        if e is None:
+            return g
+        if not self.direct_update:
+            return g + e
+        m = self.momenta[self.layout.slot[i]]
+        velocity, a = ops.momentum_error_feed(g, m, e, learning_rate, momentum, nesterov, residual_scale)
+        with tf.name_scope("hc_state_update"):
+            m.assign(velocity)
+        return a
+
+
+def check_known_variables(planned_ids, variables, owner):
+    """The layout is planned for the variables of the first step; later steps may leave some out
+    (None gradients), but bring no new ones."""
+    planned = set(planned_ids)
+    for v in variables:
+        if id(v) not in planned:
+            raise ValueError(f"{owner} planned its layout for the variables of its first step, and {variable_name(v)} "
+                             "was not among them. Use one optimizer per list of variables, and give the "
+                             "first step all of them.")
+
+
+def variable_name(v):
+    """A variable's full name in either Keras (Keras 3's `name` is the layer-local one)."""
+    return getattr(v, "path", None) or v.name
+
+
+def state_dtype(dtype):
+    """Residuals and momenta of float16/bfloat16 variables are float32: error feedback adds up
+    many small leftovers, which half precision would round away."""
+    return tf.float32 if tf.as_dtype(dtype).is_floating else tf.as_dtype(dtype)
+
+
+def refuse_two_way(two_way):
+    """two_way is onebit's own option now."""
+    if two_way is not None:
+        raise TypeError(f"two_way={two_way!r}: two_way is an option of onebit now; pass "
+                        f"compression=hvd_compress.Compression.onebit(two_way={two_way!r}) and leave two_way out.")
+
+
+def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes):
+    if isinstance(compression, type) and issubclass(compression, StatefulCompressor):
+        compression = compression()  # e.g. Compression.onebit passed uncalled: its defaults
+    if not hasattr(compression, "requires_optimizer"):
+        raise TypeError(f"compression must be one of hvd_compress.Compression (e.g. "
+                        f"Compression.onebit()), got {compression!r}.")
+    if compression.requires_optimizer and getattr(compression, "update_rule", None) not in UPDATE_RULES:
+        raise TypeError(f"{compression!r} states update_rule={getattr(compression, 'update_rule', None)!r}; a "
+                        f"compressor's update_rule is one of {UPDATE_RULES} (hvd_compress.compressor).")
+    if (compression.requires_optimizer or exchange.is_fp16(compression)) and op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum with {compression!r}; Adasum and other "
+                         "reductions do not apply to compressed payloads (for Adasum in 16 bits use "
+                         "Horovod's own DistributedOptimizer).")
+    if not isinstance(min_compress_size, int) or min_compress_size < 1:
+        raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
+    if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
+        raise ValueError(f"fusion_threshold_bytes must be a positive integer, got "
+                         f"{fusion_threshold_bytes!r}.")
+    return compression
+

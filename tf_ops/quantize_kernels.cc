@@ -1,0 +1,477 @@
+// CPU kernels for BlockQuantizeCompress and BlockQuantizeDecodeMean; the
+// format is documented in quantize_ops.cc and re-implemented in NumPy by
+// block_quantize_* in tests/np_reference.py.
+//
+// Every element's code depends only on its block's min, max and finiteness
+// (exact, order-free reductions) and on its own index, so the results are the
+// same for any split of the work. Work is split on the global kChunk grid of
+// blocks.h (a multiple of 8 elements, hence of whole packed bytes), chunks on
+// TensorFlow's intra-op threads, as the sign kernels do.
+//
+// Compress reads x once where blocks lie inside a chunk (statistics, then
+// coding while the block is still in cache), and twice for the pieces of
+// blocks that cross the chunk grid (statistics of every piece first, coding
+// once the whole block is known).
+#include <cmath>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "blocks.h"
+#include "tensorflow/core/framework/op_kernel.h"
+
+namespace hvd_compress {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+
+namespace {
+
+// Elements coded or decoded at a time through stack buffers (L1-sized).
+constexpr int64_t kTile = 1024;
+
+inline int64_t PackedBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
+absl::Status CheckBits(int64_t bits) {
+  if (bits != 2 && bits != 4 && bits != 8) return InvalidArgument("bits must be 2, 4 or 8, got ", bits);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Stochastic draws: u_i = (splitmix64(SeedBase(key, counter) ^ i) >> 40) * 2^-24.
+
+inline uint64_t SeedBase(int64_t key, int64_t counter) {
+  return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(counter) * 0xC2B2AE3D27D4EB4Full);
+}
+
+inline float Uniform(uint64_t base, int64_t i) {
+  uint64_t z = (base ^ static_cast<uint64_t>(i)) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<int32_t>(z >> 40)) * 0x1p-24f;  // 24 bits: exact
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HVD_COMPRESS_QUANTIZE_AVX512 1
+// Uniform for 8 indices at a time with AVX-512DQ's 64-bit multiply (the same arithmetic).
+__attribute__((target("avx512f,avx512dq"))) void UniformsAvx512(uint64_t base, int64_t first, int64_t len,
+                                                                 float* out) {
+  const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull));
+  const __m512i mul1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  const __m512i mul2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
+  const __m512i seed = _mm512_set1_epi64(static_cast<int64_t>(base)), step = _mm512_set1_epi64(8);
+  __m512i index = _mm512_add_epi64(_mm512_set1_epi64(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t l = 0;
+  for (; l + 8 <= len; l += 8) {
+    __m512i z = _mm512_add_epi64(_mm512_xor_si512(seed, index), golden);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), mul1);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), mul2);
+    z = _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 40);
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(z)), _mm256_set1_ps(0x1p-24f));
+    _mm256_storeu_ps(out + l, u);
+    index = _mm512_add_epi64(index, step);
+  }
+  for (; l < len; ++l) out[l] = Uniform(base, first + l);
+}
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#endif
+
+// out[l] = u_(first + l) for l in [0, len).
+void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
+#if defined(HVD_COMPRESS_QUANTIZE_AVX512)
+  if (kHasAvx512) return UniformsAvx512(base, first, len, out);
+#endif
+  for (int64_t l = 0; l < len; ++l) out[l] = Uniform(base, first + l);
+}
+
+// ---------------------------------------------------------------------------
+// Block statistics: min, max and whether any element is NaN or +-Inf.
+
+struct Stats {
+  float lo, hi;
+  bool non_finite;
+};
+
+// Order-free merge (min and max are exact; the zero signs are fixed by the + 0.0f in Finish).
+inline Stats Merge(Stats a, const Stats& b) {
+  a.lo = b.lo < a.lo ? b.lo : a.lo;
+  a.hi = b.hi > a.hi ? b.hi : a.hi;
+  a.non_finite = a.non_finite || b.non_finite;
+  return a;
+}
+
+Stats PieceStats(const float* x, int64_t len) {
+  Stats s{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), false};
+  int64_t i = 0;
+#if defined(__AVX__)
+  // x - x is +0 for a finite x and NaN otherwise: OR its bits together.
+  __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), bad = _mm256_setzero_ps();
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    lo = _mm256_min_ps(lo, v);
+    hi = _mm256_max_ps(hi, v);
+    bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
+  }
+  alignas(32) float lo8[8], hi8[8];
+  alignas(32) uint32_t bad8[8];
+  _mm256_store_ps(lo8, lo);
+  _mm256_store_ps(hi8, hi);
+  _mm256_store_ps(reinterpret_cast<float*>(bad8), bad);
+  for (int l = 0; l < 8; ++l) s = Merge(s, Stats{lo8[l], hi8[l], bad8[l] != 0});
+#endif
+  for (; i < len; ++i) {
+    const float v = x[i];
+    s = Merge(s, Stats{v, v, !(v - v == 0.0f)});
+  }
+  return s;
+}
+
+// A block's decode and code parameters.
+struct Params {
+  float offset, scale, inv;
+};
+
+inline Params Finish(Stats s, int bits) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const float lo = s.lo + 0.0f, hi = s.hi + 0.0f;  // -0 -> +0
+  const float range = hi - lo;
+  if (s.non_finite || !(range <= std::numeric_limits<float>::max())) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    return {nan, nan, 0.0f};  // v = (x - NaN) * 0 is NaN, whose code is 0
+  }
+  return {lo, range / levels, range > 0.0f ? levels / range : 0.0f};
+}
+
+// ---------------------------------------------------------------------------
+// Packing of codes (one per uint8 of q) into `bits`-bit fields, and back.
+
+// Element j of the packed vector, with the other bits of its byte kept.
+inline void PutCode(uint8_t* packed, int bits, int64_t j, uint8_t code) {
+  const int64_t bit = j * bits;
+  const int shift = static_cast<int>(bit & 7);
+  const uint8_t mask = static_cast<uint8_t>(((1u << bits) - 1u) << shift);
+  uint8_t& byte = packed[bit >> 3];
+  byte = static_cast<uint8_t>((byte & ~mask) | (code << shift));
+}
+
+inline uint8_t GetCode(const uint8_t* packed, int bits, int64_t j) {
+  const int64_t bit = j * bits;
+  return static_cast<uint8_t>((packed[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u));
+}
+
+// Writes codes q[0, len) as elements [begin, begin + len) of packed; the bytes
+// it shares with neighbouring elements are read, modified and written.
+void PackCodes(const uint8_t* q, int64_t begin, int64_t len, int bits, uint8_t* packed) {
+  const int per_byte = 8 / bits;
+  int64_t i = 0;
+  for (; i < len && (begin + i) % per_byte != 0; ++i) PutCode(packed, bits, begin + i, q[i]);
+  const int64_t whole = (len - i) / per_byte;
+  uint8_t* out = packed + (begin + i) * bits / 8;
+  const uint8_t* in = q + i;
+  if (bits == 8) {
+    std::memcpy(out, in, whole);
+  } else if (bits == 4) {
+    for (int64_t j = 0; j < whole; ++j) out[j] = static_cast<uint8_t>(in[2 * j] | (in[2 * j + 1] << 4));
+  } else {
+    for (int64_t j = 0; j < whole; ++j) {
+      out[j] = static_cast<uint8_t>(in[4 * j] | (in[4 * j + 1] << 2) | (in[4 * j + 2] << 4) | (in[4 * j + 3] << 6));
+    }
+  }
+  for (i += whole * per_byte; i < len; ++i) PutCode(packed, bits, begin + i, q[i]);
+}
+
+// ---------------------------------------------------------------------------
+// Coding: x[0, len) of one block -> codes q[0, len) and residual[0, len).
+// add[l] is u_i (stochastic) or 0.5 (deterministic). residual may be x.
+
+void CodeTile(const float* x, const float* add, int64_t len, const Params& p, float levels, uint8_t* q,
+              float* residual) {
+  int64_t i = 0;
+#if defined(__AVX__)
+  const __m256 offset = _mm256_set1_ps(p.offset), inv = _mm256_set1_ps(p.inv), scale = _mm256_set1_ps(p.scale),
+               top = _mm256_set1_ps(levels), zero = _mm256_setzero_ps();
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    __m256 f = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, offset), inv), _mm256_loadu_ps(add + i)));
+    f = _mm256_min_ps(_mm256_max_ps(f, zero), top);  // max_ps(NaN, 0) = 0
+    const __m256i codes = _mm256_cvttps_epi32(f);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(codes), _mm256_extractf128_si256(codes, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packus_epi16(words, words));
+    _mm256_storeu_ps(residual + i, _mm256_sub_ps(v, _mm256_add_ps(offset, _mm256_mul_ps(f, scale))));
+  }
+#endif
+  for (; i < len; ++i) {
+    const float v = x[i];
+    float f = std::floor((v - p.offset) * p.inv + add[i]);
+    f = f > 0.0f ? f : 0.0f;  // NaN -> 0
+    f = f < levels ? f : levels;
+    q[i] = static_cast<uint8_t>(f);
+    residual[i] = v - (p.offset + f * p.scale);
+  }
+}
+
+// Codes elements [begin, end) of one block into packed and residual.
+template <bool kStochastic>
+void CodePiece(const float* x, int64_t begin, int64_t end, const Params& p, int bits, uint64_t seed_base,
+               uint8_t* packed, float* residual) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  alignas(32) uint8_t q[kTile];
+  alignas(32) float add[kTile];
+  if (!kStochastic) std::fill(add, add + std::min(kTile, end - begin), 0.5f);
+  for (int64_t lo = begin; lo < end; lo += kTile) {
+    const int64_t len = std::min(kTile, end - lo);
+    if (kStochastic) Uniforms(seed_base, lo, len, add);
+    CodeTile(x + lo, add, len, p, levels, q, residual + lo);
+    PackCodes(q, lo, len, bits, packed);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Decoding: acc[l] = (first ? 0 : acc[l]) + (offset + float(q) * scale) for the elements
+// begin + l, l in [0, len), of one block of one payload, straight from the packed bytes.
+
+// The codes of a packed byte as floats: kCodeTables.two[byte][k] for 2-bit codes, .four for 4-bit.
+struct CodeTables {
+  alignas(16) float two[256][4];
+  alignas(16) float four[256][2];
+  constexpr CodeTables() : two(), four() {
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int k = 0; k < 4; ++k) two[byte][k] = static_cast<float>((byte >> (2 * k)) & 3);
+      for (int k = 0; k < 2; ++k) four[byte][k] = static_cast<float>((byte >> (4 * k)) & 15);
+    }
+  }
+};
+constexpr CodeTables kCodeTables;
+
+template <int kBits>
+void DecodeRun(const uint8_t* packed, int64_t begin, int64_t len, float offset, float scale, bool first,
+               float* __restrict acc) {
+  auto one = [&](int64_t l) {
+    acc[l] = (first ? 0.0f : acc[l]) + (offset + static_cast<float>(GetCode(packed, kBits, begin + l)) * scale);
+  };
+  int64_t l = 0;
+  for (; l < len && ((begin + l) & 7) != 0; ++l) one(l);
+#if defined(__AVX__)
+  // Eight elements (kBits bytes) at a time.
+  const __m256 o = _mm256_set1_ps(offset), s = _mm256_set1_ps(scale);
+  for (; l + 8 <= len; l += 8) {
+    const uint8_t* p = packed + (begin + l) / 8 * kBits;
+    __m256 codes;
+    if constexpr (kBits == 2) {
+      codes = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(kCodeTables.two[p[0]])),
+                                   _mm_load_ps(kCodeTables.two[p[1]]), 1);
+    } else if constexpr (kBits == 4) {
+      auto pair = [&](int k) {
+        const double* a = reinterpret_cast<const double*>(kCodeTables.four[p[k]]);
+        const double* b = reinterpret_cast<const double*>(kCodeTables.four[p[k + 1]]);
+        return _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd(a), b));
+      };
+      codes = _mm256_insertf128_ps(_mm256_castps128_ps256(pair(0)), pair(2), 1);
+    } else {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+      codes = _mm256_cvtepi32_ps(_mm256_insertf128_si256(_mm256_castsi128_si256(_mm_cvtepu8_epi32(bytes)),
+                                                         _mm_cvtepu8_epi32(_mm_srli_si128(bytes, 4)), 1));
+    }
+    const __m256 d = _mm256_add_ps(o, _mm256_mul_ps(codes, s));
+    _mm256_storeu_ps(acc + l, _mm256_add_ps(first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + l), d));
+  }
+#endif
+  for (; l < len; ++l) one(l);
+}
+
+}  // namespace
+
+// BlockQuantizeCompress (see quantize_ops.cc).
+class BlockQuantizeCompressOp : public OpKernel {
+ public:
+  explicit BlockQuantizeCompressOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int64_t bits;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits));
+    OP_REQUIRES_OK(ctx, CheckBits(bits));
+    bits_ = static_cast<int>(bits);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x_tensor = ctx->input(0);
+    const Tensor& bounds_tensor = ctx->input(1);
+    const Tensor& seed_tensor = ctx->input(2);
+    const int64_t n = x_tensor.NumElements();
+    OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
+    OP_REQUIRES(ctx, seed_tensor.dims() == 1 && seed_tensor.NumElements() == 2,
+                InvalidArgument("seed must be an int64 vector [key, counter], got shape ",
+                                seed_tensor.shape().DebugString()));
+    const int64_t num_blocks = bounds_tensor.NumElements() - 1;
+    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
+    const auto seed = seed_tensor.flat<int64_t>();
+    const uint64_t seed_base = SeedBase(seed(0), seed(1));
+
+    Tensor *packed_tensor = nullptr, *scales_tensor = nullptr, *offsets_tensor = nullptr, *residual_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PackedBytes(n, bits_)}), &packed_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}), &scales_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_blocks}), &offsets_tensor));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x_tensor.shape(), &residual_tensor));
+    if (n == 0) return;
+    const float* x = x_tensor.flat<float>().data();
+    uint8_t* packed = packed_tensor->flat<uint8_t>().data();
+    float* scales = scales_tensor->flat<float>().data();
+    float* offsets = offsets_tensor->flat<float>().data();
+    float* residual = residual_tensor->flat<float>().data();  // may be x's buffer
+    const int bits = bits_;
+    const auto code = stochastic_ ? CodePiece<true> : CodePiece<false>;
+
+    // Block b meets chunks bounds[b] / kChunk ... (bounds[b + 1] - 1) / kChunk; piece p of a
+    // block is its intersection with its p-th chunk. A block inside one chunk is "local".
+    std::vector<int64_t> piece_offset(num_blocks + 1, 0);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      piece_offset[b + 1] = piece_offset[b] + (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1;
+    }
+    const bool all_local = piece_offset[num_blocks] == num_blocks;
+    std::vector<Stats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);
+    std::vector<Params> params(num_blocks);
+    auto local = [&](int64_t b) { return bounds[b] / kChunk == (bounds[b + 1] - 1) / kChunk; };
+    auto finish = [&](int64_t b, const Stats& s) {
+      params[b] = Finish(s, bits);
+      scales[b] = params[b].scale;
+      offsets[b] = params[b].offset;
+    };
+
+    // Pass 1, chunk by chunk: a local block's statistics, then its coding while it is in cache;
+    // the statistics of the other blocks' pieces.
+    ParallelFor(ctx, NumChunks(n), kChunk * 12, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+        ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+          const Stats s = PieceStats(x + begin, end - begin);
+          if (local(b)) {
+            finish(b, s);
+            code(x, begin, end, params[b], bits, seed_base, packed, residual);
+          } else {
+            piece_stats[piece_offset[b] + c - bounds[b] / kChunk] = s;
+          }
+        });
+      }
+    });
+    if (all_local) return ZeroPadding(n, packed);
+    // Pass 2 (tiny): the other blocks' parameters from their pieces.
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      if (local(b)) continue;
+      Stats s = piece_stats[piece_offset[b]];
+      for (int64_t p = piece_offset[b] + 1; p < piece_offset[b + 1]; ++p) s = Merge(s, piece_stats[p]);
+      finish(b, s);
+    }
+    // Pass 3: code the pieces of the blocks that cross the chunk grid.
+    ParallelFor(ctx, NumChunks(n), kChunk * 8, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+        ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+          if (!local(b)) code(x, begin, end, params[b], bits, seed_base, packed, residual);
+        });
+      }
+    });
+    ZeroPadding(n, packed);
+  }
+
+ private:
+  // The bits after the last element in its byte are 0.
+  void ZeroPadding(int64_t n, uint8_t* packed) const {
+    const int used = static_cast<int>((n * bits_) & 7);
+    if (used) packed[(n * bits_) >> 3] &= static_cast<uint8_t>((1u << used) - 1u);
+  }
+
+  int bits_;
+  bool stochastic_;
+};
+
+// BlockQuantizeDecodeMean (see quantize_ops.cc).
+class BlockQuantizeDecodeMeanOp : public OpKernel {
+ public:
+  explicit BlockQuantizeDecodeMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int64_t bits;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits));
+    OP_REQUIRES_OK(ctx, CheckBits(bits));
+    bits_ = static_cast<int>(bits);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& packed_tensor = ctx->input(0);
+    const Tensor& scales_tensor = ctx->input(1);
+    const Tensor& offsets_tensor = ctx->input(2);
+    const Tensor& bounds_tensor = ctx->input(3);
+    const Tensor& plus_tensor = ctx->input(4);
+    OP_REQUIRES(ctx, bounds_tensor.dims() == 1 && bounds_tensor.NumElements() > 0,
+                InvalidArgument("bounds must be a non-empty vector, got shape ", bounds_tensor.shape().DebugString()));
+    const int64_t num_blocks = bounds_tensor.NumElements() - 1;
+    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
+    const int64_t n = bounds[num_blocks];
+    OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
+    const int bits = bits_;
+    const int64_t num_bytes = PackedBytes(n, bits);
+    OP_REQUIRES(ctx, packed_tensor.dims() == 2 && scales_tensor.dims() == 2 && offsets_tensor.dims() == 2,
+                InvalidArgument("packed, scales and offsets must have rank 2 ([m, ...]), got shapes ",
+                                packed_tensor.shape().DebugString(), ", ", scales_tensor.shape().DebugString(),
+                                " and ", offsets_tensor.shape().DebugString()));
+    const int64_t m = packed_tensor.dim_size(0);
+    OP_REQUIRES(ctx,
+                packed_tensor.dim_size(1) == num_bytes && scales_tensor.dim_size(0) == m &&
+                    scales_tensor.dim_size(1) == num_blocks && offsets_tensor.shape() == scales_tensor.shape(),
+                InvalidArgument("payload does not match bounds: expected packed [", m, ", ", num_bytes,
+                                "] and scales and offsets [", m, ", ", num_blocks, "] for n=", n, ", ", num_blocks,
+                                " blocks and bits=", bits, ", got ", packed_tensor.shape().DebugString(), ", ",
+                                scales_tensor.shape().DebugString(), " and ", offsets_tensor.shape().DebugString()));
+    OP_REQUIRES(ctx, m > 0, InvalidArgument("block_quantize_decode_mean needs at least one payload"));
+    OP_REQUIRES(ctx, plus_tensor.NumElements() == n || plus_tensor.NumElements() == 0,
+                InvalidArgument("plus must have n=", n, " elements, or none, got shape ",
+                                plus_tensor.shape().DebugString()));
+    const float* plus = plus_tensor.NumElements() > 0 ? plus_tensor.flat<float>().data() : nullptr;
+
+    Tensor* y_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y_tensor));
+    if (n == 0) return;
+    const uint8_t* packed = packed_tensor.flat<uint8_t>().data();
+    const float* scales = scales_tensor.flat<float>().data();
+    const float* offsets = offsets_tensor.flat<float>().data();
+    float* y = y_tensor->flat<float>().data();
+    const float count = static_cast<float>(m);
+
+    ParallelFor(ctx, NumChunks(n), kChunk * (2 + 2 * m), [&](int64_t first, int64_t last) {
+      alignas(32) float acc[kTile];
+      const auto decode = bits == 2 ? DecodeRun<2> : bits == 4 ? DecodeRun<4> : DecodeRun<8>;
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t chunk_lo = c * kChunk, chunk_hi = std::min(n, chunk_lo + kChunk);
+        ForEachPieceInChunk(bounds, num_blocks, chunk_lo, chunk_hi, [&](int64_t b, int64_t begin, int64_t end) {
+          for (int64_t lo = begin; lo < end; lo += kTile) {
+            const int64_t len = std::min(kTile, end - lo);
+            for (int64_t r = 0; r < m; ++r) {
+              decode(packed + r * num_bytes, lo, len, offsets[r * num_blocks + b], scales[r * num_blocks + b], r == 0,
+                     acc);
+            }
+            float* out = y + lo;
+            if (plus) {
+              const float* add = plus + lo;
+              for (int64_t i = 0; i < len; ++i) out[i] = acc[i] / count + add[i];
+            } else {
+              for (int64_t i = 0; i < len; ++i) out[i] = acc[i] / count;
+            }
+          }
+        });
+      }
+    });
+  }
+
+ private:
+  int bits_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("BlockQuantizeCompress").Device(DEVICE_CPU), BlockQuantizeCompressOp);
+REGISTER_KERNEL_BUILDER(Name("BlockQuantizeDecodeMean").Device(DEVICE_CPU), BlockQuantizeDecodeMeanOp);
+
+}  // namespace hvd_compress
