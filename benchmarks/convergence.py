@@ -1,6 +1,13 @@
-"""Convergence of every method on the bundled digits: final test accuracy and accuracy versus bytes.
+"""Convergence of every method: final test accuracy and accuracy versus bytes, on the bundled digits
+(SGD) or on the causal transformer (AdamW, mixed_float16).
 
-    .venv/bin/python benchmarks/convergence.py            # 2 ranks, 16 epochs, seed 0
+    .venv/bin/python benchmarks/convergence.py            # digits: 2 ranks, 16 epochs, seed 0
+    .venv/bin/python benchmarks/convergence.py --task=transformer   # 2 ranks, 3 epochs, seeds 0, 1, 2
+
+The transformer task runs examples/keras_transformer.py (--method=<name>: AdamW with a warm-up into
+a cosine decay, clipping, mixed_float16; onebit is 1-bit Adam there) for every method and seed and
+writes the mean and every seed's test accuracy, the difference to none's (uncompressed AdamW) and
+the bytes one worker sends per compressed step (table convergence_transformer).
 
 Runs examples/keras_digits.py (and examples/keras_accordion.py for Accordion)
 under horovodrun (Gloo) with the same seed, epochs, batch and learning rate,
@@ -18,9 +25,13 @@ import launch
 import results
 from hvd_compress import methods as registry
 
+flags.DEFINE_enum("task", "digits", ["digits", "transformer"], "The task.")
 flags.DEFINE_integer("ranks", 2, "Ranks.")
-flags.DEFINE_integer("epochs", 16, "Epochs of every run.")
-flags.DEFINE_integer("seed", 0, "Seed of every run.")
+flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3).")
+flags.DEFINE_integer("seed", 0, "Seed of every run (digits).")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer).")
+flags.DEFINE_list("transformer_methods", ["none", "onebit", "topk", "powersgd"],
+                  "Methods of the transformer task: names of hc.methods that examples/keras_transformer.py takes.")
 flags.DEFINE_list("methods", ["none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4", "topk", "randomk",
                               "sketch", "fetchsgd", "powersgd", "sgp", "accordion"],
                   "Methods: names of hc.methods that examples/keras_digits.py takes, or accordion.")
@@ -55,18 +66,67 @@ def plot(runs, path):
     by_bytes.legend(fontsize=8)
     results.save_figure(fig, path)
 
+def transformer(_):
+    """Every method and seed on examples/keras_transformer.py; the table convergence_transformer."""
+    launch.check_names("convergence.py", "transformer_methods", FLAGS.transformer_methods,
+                       [name for name in registry.NAMES if name != "sgp"])
+    runs = {}
+    for method in FLAGS.transformer_methods:
+        runs[method] = [launch.run_example("keras_transformer.py", FLAGS.ranks, [
+            f"--method={method}", f"--epochs={FLAGS.epochs or 3}", f"--seed={seed}"], timeout=2400)
+            for seed in FLAGS.seeds]
+        print(f"{method}: test accuracy {[r['test_accuracy'] for r in runs[method]]}, "
+              f"{runs[method][0]['bytes_per_step']:,.0f} B/step", flush=True)
+    print(render_transformer(runs))
+    results.save(out(), runs)
+    publish_transformer(runs)
+
+
+def render_transformer(runs):
+    """Mean and per-seed test accuracy, points against none's (uncompressed AdamW), bytes per step."""
+    first = next(iter(runs.values()))[0]
+    baseline = runs.get(BASELINE)
+    mean = {method: sum(r["test_accuracy"] for r in seeds) / len(seeds) for method, seeds in runs.items()}
+    note = (f"causal transformer (examples/keras_transformer.py), {first['parameters']:,} parameters, {first['ranks']} "
+            f"ranks, {first['steps']} steps, {first['policy']}, AdamW with a warm-up into a cosine decay and "
+            f"global-norm clipping; the compressed methods start after 15% of the steps at full precision (onebit: "
+            f"1-bit Adam). Accuracy: next-character accuracy on 65,000 held-out characters; bytes: one worker's per "
+            f"compressed step.")
+    rows = [[method, f"{mean[method]:.4f}", ", ".join(f"{r['test_accuracy']:.4f}" for r in seeds),
+             f"{100 * (mean[method] - mean[BASELINE]):+.2f}" if baseline else "-",
+             results.count(seeds[0]["bytes_per_step"]),
+             f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-"]
+            for method, seeds in runs.items()]
+    table = results.markdown_table(["method", "mean test accuracy", "per seed", "points vs none", "bytes/step/worker",
+                                    "none bytes / method bytes"], rows)
+    return f"{note}\n\n{table}"
+
+
+def publish_transformer(runs):
+    results.publish("convergence_transformer", render_transformer(runs), results.command_line(), source=out())
+
+
+def out():
+    """--out, or for the transformer task with --out left at its default, results/convergence_transformer.json."""
+    if FLAGS.task == "transformer" and FLAGS["out"].using_default_value:
+        return "results/convergence_transformer.json"
+    return FLAGS.out
+
+
 def main(_):
+    if FLAGS.task == "transformer":
+        return transformer(_)
     launch.check_names("convergence.py", "methods", FLAGS.methods,
                        [*(name for name in registry.NAMES if not name.startswith("horovod_")), *OTHER_RUNS])
     runs = {}
     for method in FLAGS.methods:
         script, method_flags = example(method)
         runs[method] = launch.run_example(script, FLAGS.ranks, method_flags + [
-            f"--epochs={FLAGS.epochs}", f"--seed={FLAGS.seed}"])
+            f"--epochs={FLAGS.epochs or 16}", f"--seed={FLAGS.seed}"])
         print(f"{method}: test accuracy {runs[method]['test_accuracy']:.4f}, "
               f"{runs[method]['total_bytes'] / 1e6:.3f} MB", flush=True)
     fp32 = runs.get(BASELINE)
-    print(f"\n{FLAGS.ranks} ranks, {FLAGS.epochs} epochs, seed {FLAGS.seed}\n\n"
+    print(f"\n{FLAGS.ranks} ranks, {FLAGS.epochs or 16} epochs, seed {FLAGS.seed}\n\n"
           f"| method | final test accuracy | MB sent per worker | {launch.label(BASELINE)} bytes / method bytes |")
     print("|---|---:|---:|---:|")
     for method, r in runs.items():
@@ -96,4 +156,5 @@ def publish(runs):
 
 
 if __name__ == "__main__":
-    app.run(results.run(main, publish))
+    app.run(lambda argv: publish_transformer(results.load(out())) if FLAGS.publish_only and FLAGS.task == "transformer"
+            else results.run(main, publish)(argv))

@@ -22,13 +22,13 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import json  # noqa: E402
 
 import numpy as np  # noqa: E402
-import pydoc_data.topics  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
+from pydoc_text import character_codes  # noqa: E402
 
 #: hc.methods' names but gossip (sgp: examples/keras_digits.py)
 METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
@@ -55,18 +55,13 @@ CONTEXT, STRIDE, TEST_CHARS = 24, 3, 20_000
 
 def load_text():
     """(train windows, train targets), (test windows, test targets), vocabulary size."""
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    text = text[:FLAGS.train_chars + TEST_CHARS]
-    chars, counts = np.unique(np.frombuffer(text.encode("ascii", "replace"), np.uint8), return_counts=True)
-    vocab = np.full(256, 1, np.int32)  # 1: any rare character; 0 is never used
-    vocab[chars[counts >= 20]] = np.arange(2, 2 + (counts >= 20).sum())
-    codes = vocab[np.frombuffer(text.encode("ascii", "replace"), np.uint8)]
+    codes, vocab_size = character_codes(FLAGS.train_chars + TEST_CHARS)
 
     def windows(part):
         starts = np.arange(0, len(part) - CONTEXT, STRIDE)
         return part[starts[:, None] + np.arange(CONTEXT)], part[starts + CONTEXT]
 
-    return windows(codes[:FLAGS.train_chars]), windows(codes[FLAGS.train_chars:]), int(vocab.max()) + 1
+    return windows(codes[:FLAGS.train_chars]), windows(codes[FLAGS.train_chars:]), vocab_size
 
 
 def model_for(keras, vocab_size):

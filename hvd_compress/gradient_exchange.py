@@ -21,9 +21,14 @@ starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
 Update rules (the compressor's `update_rule`; `direct_update` where lr is inside):
 - ERROR_FEEDBACK: a_i = g_i + e_i, e_i = a_i - sent_i; the mean is the gradient.
 - MOMENTUM_IN_FRONT under SGD: m_i = mu m_i + g_i, a_i = lr p_i + s e_i (ops.momentum_error_feed),
-  and the mean D is a delta the optimizer subtracts; under other optimizers ERROR_FEEDBACK.
+  and the mean D is a delta the optimizer subtracts; under Adam and AdamW 1-bit Adam (adam.py: Adam's
+  momentum is exchanged, its variance frozen after the warm-up); under other optimizers ERROR_FEEDBACK.
 - EXCHANGE_FEEDBACK: the worker hands plain gradients; the exchange keeps error and momentum.
 - NO_FEEDBACK: a_i = g_i; nothing is kept.
+
+Warm-up. For the first `warmup_steps` steps every bucket travels at full precision (a float32 sum
+in rank order, exchange.OrderedMean, chosen by exchange.Switching), and the worker's residuals stay
+zero; compression starts after.
 """
 import numpy as np
 import tensorflow as tf
@@ -33,6 +38,7 @@ from hvd_compress import exchange, ops, state
 from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
                                      NoneCompressor, StatefulCompressor)
 from hvd_compress.accordion import AdaptiveCompression
+from hvd_compress.adam import AdamMomentumInFront, default_warmup_steps
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
@@ -86,10 +92,12 @@ class GradientExchange(tf.Module):
     def __init__(self, compression, process_set=hvd.global_process_set, op=hvd.Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
                  min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
-                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc", two_way=None):
+                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc", two_way=None, warmup_steps=None):
         super().__init__(name=name.replace(".", "_"))
         refuse_two_way(two_way)
-        compression = _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes)
+        compression = _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes, warmup_steps)
+        #: full-precision steps before compression starts (None: 1-bit Adam's default, else 0)
+        self.requested_warmup_steps = warmup_steps
         self.compression, self.process_set = compression, process_set
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
@@ -129,9 +137,10 @@ class GradientExchange(tf.Module):
         self.compression, self.monitor = compression, detector
 
     # -- planning and state -------------------------------------------------------------
-    def build(self, variables, new_replicated=None, holder=None, sgd=False):
+    def build(self, variables, new_replicated=None, holder=None, sgd=False, adam=None):
         """Plans the layout and creates the state. sgd: the optimizer that applies the result is (Keras)
-        SGD, so update rules that put the learning rate and momentum inside run that way.
+        SGD, so update rules that put the learning rate and momentum inside run that way; adam: that
+        optimizer when it is an Adam (or AdamW), built, whose momentum such rules exchange (1-bit Adam).
 
         new_replicated(spec) -> variable creates replicated state (default: this
         module's variables); holder tracks the per-rank state for checkpoints
@@ -141,16 +150,24 @@ class GradientExchange(tf.Module):
             return
         variables = list(variables)
         rule = self.compression.update_rule
-        self.direct_update = sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)
+        one_bit_adam = adam is not None and rule == MOMENTUM_IN_FRONT
+        self.direct_update = (sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)) or one_bit_adam
         #: the worker keeps a residual per compressed variable (error feedback), and a momentum in front
         self.keeps_residual = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
-        self.keeps_momentum = self.direct_update and rule == MOMENTUM_IN_FRONT
+        self.keeps_momentum = sgd and rule == MOMENTUM_IN_FRONT
+        self.warmup_steps = self.requested_warmup_steps
+        if self.warmup_steps is None:
+            self.warmup_steps = default_warmup_steps(adam) if one_bit_adam else 0
+        self._refuse_unsupported(rule, sgd, one_bit_adam)
         # Kept as plain facts, not references: the module must not track the model's variables.
         self.variable_ids = [id(v) for v in variables]
         self.variable_names = [variable_name(v) for v in variables]
         self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
+        #: 1-bit Adam's side of the worker (adam.py), or None
+        self.adam = (AdamMomentumInFront(adam, [variables[i] for i in self.layout.compressed], self.warmup_steps)
+                     if one_bit_adam else None)
         object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
         object.__setattr__(self, "_holder", holder or self)
         object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
@@ -159,12 +176,32 @@ class GradientExchange(tf.Module):
         # (none, fp16) creates no variable, so a tape may make it inside a tf.function.
         self.own_steps = (None if new_replicated or not self.compression.requires_optimizer else
                           self._state_variable(StateSpec("steps", (), REPLICATED, tf.int64), None))
+        # The step the warm-up counts: the optimizer's, else this exchange's own (not tracked here).
+        object.__setattr__(self, "_step_variable",
+                           getattr(self._holder, "iterations", None) if self.own_steps is None else self.own_steps)
         # dist-EF-SGD's residuals follow the learning rate (_residual_scale): the last step's rate.
         self.previous_learning_rate = (self._state_variable(StateSpec("previous_learning_rate", (), REPLICATED), None)
-                                       if self.direct_update else None)
+                                       if self.direct_update and self.adam is None else None)
         self.world = None
         self._plan_world()
         self.built = True
+
+    def _refuse_unsupported(self, rule, sgd, one_bit_adam):
+        """At build, before any collective: combinations whose result would be wrong."""
+        if one_bit_adam and self.op != hvd.Average:
+            raise ValueError(f"{self.compression!r} under Adam exchanges Adam's momentum (1-bit Adam), which is an "
+                             "average: use op=hvd.Average.")
+        if one_bit_adam and not self.warmup_steps:
+            raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
+                             "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
+                             "warmup_steps >= 1, or None for 1 / (1 - beta_2) steps.")
+        if sgd and rule == EXCHANGE_FEEDBACK and self.warmup_steps:
+            raise ValueError(f"{self.compression!r} under SGD keeps the momentum and the learning rate inside its "
+                             "exchange, which a full-precision warm-up would bypass: use warmup_steps=0 with it.")
+
+    def _in_warmup(self):
+        """Whether the coming step travels at full precision (read in the step, and between steps)."""
+        return tf.cast(tf.convert_to_tensor(self._step_variable), tf.int64) < self.warmup_steps
 
     def _new_module_variable(self, spec):
         variable = _new_replicated_variable(spec)
@@ -184,9 +221,12 @@ class GradientExchange(tf.Module):
         rank, size = self.process_set.rank(), self.process_set.size()
         previous, self.world = self.world, (hvd.rank(), size)
         # Plan every exchange first: a bad size is refused before any collective runs.
-        self.exchanges = [exchange.plan(self.compression, exchange.Bucket(
-            b, [self.layout.shapes[i] for i in bucket], rank, size, self.process_set, self._collective(b)))
-            for b, bucket in enumerate(self.layout.buckets)]
+        buckets = [exchange.Bucket(b, [self.layout.shapes[i] for i in bucket], rank, size, self.process_set,
+                                   self._collective(b)) for b, bucket in enumerate(self.layout.buckets)]
+        self.exchanges = [exchange.plan(self.compression, bucket) for bucket in buckets]
+        if self.warmup_steps:
+            self.exchanges = [exchange.Switching(exchange.OrderedMean(bucket), ex, self._in_warmup)
+                              for bucket, ex in zip(buckets, self.exchanges)]
         rank_state = RankLocalState(rank, size)
 
         def new_state(spec):
@@ -235,7 +275,7 @@ class GradientExchange(tf.Module):
         settings = (f"{self.compression!r} op={self.op} "
                     f"min_compress_size={self.min_compress_size} "
                     f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
-                    f"direct_update={self.direct_update} "
+                    f"direct_update={self.direct_update} warmup_steps={self.warmup_steps} "
                     f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
         self.agreement.plan(settings, self.rank_state, self.process_set, self.collective_name,
                             None if previous_world is None else previous_world[1])
@@ -310,9 +350,10 @@ class GradientExchange(tf.Module):
                 step = self.own_steps.read_value()
             elif step is None:  # stateless: no exchange reads the step
                 step = tf.constant(0, tf.int64)
-            residual_scale = self._residual_scale(learning_rate) if self.direct_update else None
-            info = exchange.StepInfo(step, learning_rate, momentum if learning_rate is not None else 0.0, nesterov,
-                                     residual_scale=residual_scale)
+            sgd_inside = self.direct_update and self.adam is None
+            residual_scale = self._residual_scale(learning_rate) if sgd_inside else None
+            info = exchange.StepInfo(step, learning_rate if sgd_inside else None, momentum if sgd_inside else 0.0,
+                                     nesterov, residual_scale=residual_scale)
             absent = {i for i, g in enumerate(grads) if g is None}
             with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
                 grads = [tf.identity(g) for g in self.prepare(grads)]
@@ -323,8 +364,9 @@ class GradientExchange(tf.Module):
             if self.monitor is not None:
                 self.monitor.observe(grads)
             for bucket, ex, own in zip(self.layout.buckets, self.exchanges, self.exchange_state):
-                parts = [tf.reshape(self._error_fed(i, grads[i], learning_rate, momentum, nesterov, residual_scale)
-                                    if i not in absent else tf.zeros(self.layout.shapes[i]), [-1]) for i in bucket]
+                parts = [tf.reshape(tf.zeros(self.layout.shapes[i]) if i in absent else self._error_fed(
+                    i, grads[i], learning_rate, momentum, nesterov, residual_scale, step), [self.layout.sizes[i]])
+                    for i in bucket]  # (static sizes, whatever shape the gradient arrived with)
                 result = self._run(ex, own, bucket, parts, info)
                 updates = result.update
                 if not self._subtracts_encoded(bucket):
@@ -337,6 +379,8 @@ class GradientExchange(tf.Module):
                             kept.assign(tf.reshape(residual, shape))
                     if isinstance(update, exchange.EncodedPart):  # decoded into the variable by exchange.subtract
                         out[i] = update
+                    elif self.adam is not None:  # the averaged gradient (warm-up) or momentum -> Adam's step
+                        out[i] = tf.reshape(self.adam.delta(self.layout.slot[i], update, step, learning_rate), shape)
                     else:
                         if self.op == hvd.Sum:
                             update = update * self.process_set.size()
@@ -349,7 +393,7 @@ class GradientExchange(tf.Module):
         """Whether the bucket's update may reach the optimizer encoded (exchange.EncodedPart), to be
         decoded straight into its variables: in direct-update mode (the optimizer subtracts it),
         averaged (hvd.Sum scales it first) and for float32 variables."""
-        return (self.direct_update and self.op == hvd.Average
+        return (self.direct_update and self.adam is None and self.op == hvd.Average
                 and all(self.variable_dtypes[i] == tf.float32 for i in bucket))
 
     def _run(self, ex, own_state, bucket, parts, step):
@@ -430,13 +474,16 @@ class GradientExchange(tf.Module):
             self.previous_learning_rate.assign(learning_rate)
         return scale
 
-    def _error_fed(self, i, g, learning_rate, momentum, nesterov, residual_scale):
-        """a_i: lr * (Nesterov) momentum + residual_scale * e_i in direct-update mode, else g_i + e_i;
-        g_i itself where the exchange keeps error and momentum (FetchSGD)."""
+    def _error_fed(self, i, g, learning_rate, momentum, nesterov, residual_scale, step):
+        """a_i: lr * (Nesterov) momentum + residual_scale * e_i in direct-update mode under SGD, Adam's
+        momentum + e_i under Adam (adam.py), else g_i + e_i; g_i itself where the exchange keeps error and
+        momentum (FetchSGD)."""
         g = tf.cast(g, tf.float32)
         e = self.residuals[self.layout.slot[i]]
         if e is None:
             return g
+        if self.adam is not None:
+            return self.adam.error_fed(self.layout.slot[i], g, e, step)
         if not self.direct_update:
             return g + e
         m = self.momenta[self.layout.slot[i]]
@@ -475,7 +522,7 @@ def refuse_two_way(two_way):
                         f"compression=hvd_compress.Compression.onebit(two_way={two_way!r}) and leave two_way out.")
 
 
-def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes):
+def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes, warmup_steps):
     if isinstance(compression, type) and issubclass(compression, StatefulCompressor):
         compression = compression()  # e.g. Compression.onebit passed uncalled: its defaults
     if not hasattr(compression, "requires_optimizer"):
@@ -490,6 +537,10 @@ def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes)
                          "Horovod's own DistributedOptimizer).")
     if not isinstance(min_compress_size, int) or min_compress_size < 1:
         raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
+    if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+                                     or warmup_steps < 0):
+        raise ValueError(f"warmup_steps must be None (1-bit Adam: 1 / (1 - beta_2) steps; else 0) or an integer "
+                         f">= 0, got {warmup_steps!r}.")
     if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
         raise ValueError(f"fusion_threshold_bytes must be a positive integer, got "
                          f"{fusion_threshold_bytes!r}.")

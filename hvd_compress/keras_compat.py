@@ -80,6 +80,19 @@ def sgd_classes():
     return tuple(keras.optimizers.SGD for keras in kerases_in_use())
 
 
+def adam_classes():
+    """Adam and AdamW of each Keras in use (tf_keras's AdamW is not a subclass of its Adam)."""
+    return tuple(cls for keras in kerases_in_use() for cls in (keras.optimizers.Adam, keras.optimizers.AdamW))
+
+
+def adam_slots(optimizer, variable):
+    """(m, v, v_hat or None): the slots an Adam built for `variable`, in either Keras."""
+    index = (optimizer._get_variable_index(variable) if hasattr(optimizer, "_get_variable_index")
+             else optimizer._index_dict[optimizer._var_key(variable)])
+    v_hat = optimizer._velocity_hats[index] if optimizer.amsgrad else None
+    return optimizer._momentums[index], optimizer._velocities[index], v_hat
+
+
 #: (class of the user's optimizer, wrapper core) -> the wrapper class made for it once
 _WRAPPER_CLASSES = {}
 

@@ -29,11 +29,12 @@ from tensorflow.python.ops import control_flow_util
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, state
 from hvd_compress.compression import Compression
+from hvd_compress.compressor import MOMENTUM_IN_FRONT
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
 from hvd_compress.gradient_exchange import (DEFAULT_FUSION_THRESHOLD_BYTES, DEFAULT_MIN_COMPRESS_SIZE,
                                             GradientExchange, refuse_two_way, variable_name)
-from hvd_compress.keras_compat import (WrapperCore, is_distributed, is_keras3, keras3, keras_of, kerases_in_use,
-                                       loss_scale_optimizer_classes, refuse_saved_process_set, refuse_wrapped,
+from hvd_compress.keras_compat import (WrapperCore, adam_classes, is_distributed, is_keras3, keras3, keras_of,
+                                       kerases_in_use, loss_scale_optimizer_classes, refuse_saved_process_set, refuse_wrapped,
                                        register_loader, register_loaders, rewrapping, saved_process_set, sgd_classes,
                                        tf_keras, wrap_in_place)
 from hvd_compress.state import safe_name
@@ -134,6 +135,7 @@ class _DistributedOptimizerMixin(WrapperCore):
         self._hc_exchange.accumulate = self._hc_backward_passes > 1
         self._hc_exchange.build(
             list(var_list), holder=self, sgd=isinstance(self, sgd_classes()),
+            adam=self if isinstance(self, adam_classes()) else None,
             new_replicated=lambda spec: self.add_variable(
                 spec.shape, dtype=spec.dtype, initializer=lambda shape, dtype: spec.initial_value(),
                 name=f"hc_{safe_name(spec.name)}"))
@@ -261,7 +263,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=hvd.global_process_set, scale_local_gradients=True,
                          min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
-                         fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, two_way=None):
+                         fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, warmup_steps=None, two_way=None):
     """Wraps a Keras optimizer (Keras 3, or tf_keras) so gradients are averaged across ranks,
     compressed.
 
@@ -273,6 +275,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         two_way) are its arguments.
       min_compress_size: tensors with fewer elements travel uncompressed.
       fusion_threshold_bytes: the largest compressed bucket.
+      warmup_steps: the first steps travel at full precision (a float32 allreduce), then
+        compression starts. Under Adam or AdamW, onebit and sketch (momentum in front) train
+        1-bit Adam (its warm-up fills Adam's variance, which is then frozen; None: 1 / (1 - beta_2)
+        steps, 1000 by default); elsewhere None means 0.
     Returns the same optimizer object, now an instance of a subclass of its
     class: everything it holds (settings outside its config, trained slots and
     step count, callables, schedules) is kept. Model files save it under the
@@ -295,19 +301,36 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          f"backward_passes_per_step={optimizer.gradient_accumulation_steps} instead.")
     exchange_ = GradientExchange(compression, process_set, op, gradient_predivide_factor,
                                  sparse_as_dense, min_compress_size, fusion_threshold_bytes,
-                                 name=name or f"hc.{type(optimizer).__name__}")
+                                 name=name or f"hc.{type(optimizer).__name__}", warmup_steps=warmup_steps)
     if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
         raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
     refuse_sparse_updates_to_factored_moments(optimizer, exchange_.compression)
+    warn_momentum_in_front_under_other_optimizers(optimizer, exchange_.compression)
     settings = dict(name=name, compression=exchange_.compression, sparse_as_dense=sparse_as_dense,
                     gradient_predivide_factor=gradient_predivide_factor, op=op,
                     backward_passes_per_step=backward_passes_per_step,
                     average_aggregated_gradients=average_aggregated_gradients, process_set=process_set,
                     min_compress_size=min_compress_size,
-                    fusion_threshold_bytes=fusion_threshold_bytes)
+                    fusion_threshold_bytes=fusion_threshold_bytes, warmup_steps=warmup_steps)
     wrapped = wrap_in_place(optimizer, _DistributedOptimizerMixin)
     wrapped._hc_init(exchange_, backward_passes_per_step, average_aggregated_gradients, settings)
     return wrapped
+
+
+def warn_momentum_in_front_under_other_optimizers(optimizer, compression):
+    """onebit and sketched SGD have a rule for SGD (momentum in front) and for Adam and AdamW (1-bit
+    Adam); under any other optimizer they compress the gradient with error feedback, and an adaptive
+    optimizer's statistics are then built from compressed gradients: the failure 1-bit Adam exists for
+    (the gradient's signs under AdamW lost 6.7 points on the transformer, docs/algorithms.md). Said once,
+    on rank 0, when the optimizer is wrapped."""
+    if (compression.update_rule != MOMENTUM_IN_FRONT or isinstance(optimizer, sgd_classes() + adam_classes())
+            or (hvd.is_initialized() and hvd.rank() != 0)):
+        return
+    log.warning("hvd_compress: %r has an update rule for SGD (momentum in front) and for Adam and AdamW (1-bit "
+                "Adam); under %s it compresses the gradient itself, and an adaptive optimizer's statistics are then "
+                "built from compressed gradients, which loses accuracy. Use SGD, Adam or AdamW with it, or "
+                "Compression.quantize() or Compression.powersgd() with %s.", compression, type(optimizer).__name__,
+                type(optimizer).__name__)
 
 
 def refuse_sparse_updates_to_factored_moments(optimizer, compression):

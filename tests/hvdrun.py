@@ -28,13 +28,14 @@ LAUNCHERS = ("gloo", "mpi")
 #: How a worker's `tf.keras` becomes each Keras, as for users: TF_USE_LEGACY_KERAS.
 KERASES = {"tf_keras": {"TF_USE_LEGACY_KERAS": "1"}, "keras3": {"TF_USE_LEGACY_KERAS": "0"}}
 #: Every method, as the workers name them.
-METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp"]
+METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powersgd", "sketch", "fetchsgd",
+           "sgp"]
 #: One method per kind of state: onebit's server-residual shards, top-k's per-rank residual,
-#: PowerSGD's replicated Q, SGP's PushSum weight. The smoke subset on the second Keras (where a test
+#: PowerSGD's replicated Q, SGP's PushSum weight, 1-bit AdamW's exchanged momentum in Keras's own slots. The smoke subset on the second Keras (where a test
 #: runs every method in tf_keras, Keras 3 runs these; all of them pass through the same Keras 3
 #: entry, and every method's update rule is checked in both Kerases, test_optimizer.py), and the
 #: methods resumed at another world size.
-ONE_PER_STATE_KIND = ["onebit", "topk", "powersgd", "sgp"]
+ONE_PER_STATE_KIND = ["onebit", "onebit_adamw", "topk", "powersgd", "sgp"]
 #: Methods with no per-rank or sharded state (FetchSGD keeps its state in sketch space, the same on
 #: every rank): any file rank 0 writes resumes them exactly, and nothing is reset.
 NO_RANK_STATE = ["fetchsgd"]

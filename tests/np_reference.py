@@ -105,44 +105,29 @@ def residual_scale(lr, previous_lr):
     return np.float32(lr) / previous_lr if previous_lr > 0 else np.float32(1)
 
 
-class DistEFSGD:
-    """dist-EF-SGD (shared/DESIGN.md) for n simulated workers on one flat tensor of d elements."""
+class OneBitExchange:
+    """The onebit exchange (shared/DESIGN.md) of n simulated workers' vectors of d elements: each sends
+    C(a_i), e_i = a_i - C(a_i); two-way: shard j's owner compresses mean_i C(a_i) + s e_s again."""
 
-    def __init__(self, d, n, mu, nesterov, block_size=None, two_way=True):
-        self.n, self.mu, self.nesterov, self.two_way = n, np.float32(mu), nesterov, two_way
+    def __init__(self, d, n, block_size=None, two_way=True):
+        self.n, self.two_way = n, two_way
         self.bounds = block_bounds(d, block_size)
         if two_way:
             self.cuts = shard_cuts(d, n)
             self.bounds = np.union1d(self.bounds, self.cuts)
-        self.m = [np.zeros(d, np.float32) for _ in range(n)]
         self.e = [np.zeros(d, np.float32) for _ in range(n)]
         self.e_server = np.zeros(d, np.float32)
-        self.previous_lr = np.float32(0)
 
-    def step(self, x, grads, lr, compressed=True):
-        """compressed=False: Accordion's uncompressed setting, x -= mean_i(a_i), e_i = 0, e_s kept.
-        The residuals follow a learning-rate change: scaled by lr / the previous step's lr."""
-        scale = residual_scale(lr, self.previous_lr)
-        self.previous_lr = np.float32(lr)
-        payloads, sents = [], []
-        for i, g in enumerate(grads):
-            self.m[i] = self.mu * self.m[i] + g
-            p = self.mu * self.m[i] + g if self.nesterov else self.m[i]
-            a = np.float32(lr) * p + scale * self.e[i]
-            if not compressed:
-                self.e[i] = np.zeros_like(a)
-                sents.append(a)
-                continue
+    def __call__(self, fed, scale=np.float32(1)):
+        """fed: the a_i, each with its worker's residual e_i in it -> D (scale: the server residual's)."""
+        payloads = []
+        for i, a in enumerate(fed):
             payload, sent = compress(a, self.bounds)
             self.e[i] = a - sent
             payloads.append(payload)
-        if not compressed:
-            x -= np.add.reduce(sents) / np.float32(self.n)
-            return
         if not self.two_way:
-            x -= unpack_mean([p[0] for p in payloads], [p[1] for p in payloads], self.bounds)
-            return
-        update = np.empty_like(x)
+            return unpack_mean([p[0] for p in payloads], [p[1] for p in payloads], self.bounds)
+        update = np.empty_like(self.e_server)
         for j in range(self.n):
             lo, hi = self.cuts[j], self.cuts[j + 1]
             if lo == hi:
@@ -156,7 +141,67 @@ class DistEFSGD:
             _, server_sent = compress(server_input, local)
             self.e_server[lo:hi] = server_input - server_sent
             update[lo:hi] = server_sent
-        x -= update
+        return update
+
+
+class DistEFSGD:
+    """dist-EF-SGD (shared/DESIGN.md) for n simulated workers on one flat tensor of d elements."""
+
+    def __init__(self, d, n, mu, nesterov, block_size=None, two_way=True):
+        self.n, self.mu, self.nesterov = n, np.float32(mu), nesterov
+        self.exchange = OneBitExchange(d, n, block_size, two_way)
+        self.m = [np.zeros(d, np.float32) for _ in range(n)]
+        self.previous_lr = np.float32(0)
+
+    def step(self, x, grads, lr, compressed=True):
+        """compressed=False: Accordion's uncompressed setting, x -= mean_i(a_i), e_i = 0, e_s kept.
+        The residuals follow a learning-rate change: scaled by lr / the previous step's lr."""
+        scale = residual_scale(lr, self.previous_lr)
+        self.previous_lr = np.float32(lr)
+        fed = []
+        for i, g in enumerate(grads):
+            self.m[i] = self.mu * self.m[i] + g
+            p = self.mu * self.m[i] + g if self.nesterov else self.m[i]
+            fed.append(np.float32(lr) * p + scale * self.exchange.e[i])
+        if compressed:
+            x -= self.exchange(fed, scale)
+            return
+        self.exchange.e = [np.zeros_like(a) for a in fed]
+        x -= np.add.reduce(fed) / np.float32(self.n)
+
+
+class OneBitAdam:
+    """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
+    Adam on the mean gradient for warmup_steps steps, then the momentum exchanged by onebit with the
+    variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow computes Keras's
+    x - x * wd * lr in); amsgrad: the largest v so far divides."""
+
+    def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
+                 block_size=None, two_way=True, amsgrad=False):
+        self.n, self.warmup_steps, self.amsgrad = n, warmup_steps, amsgrad
+        self.b1, self.b2, self.eps, self.wd = (np.float32(v) for v in (beta_1, beta_2, epsilon, weight_decay))
+        # 1 - beta in Python's float64, then float32: as Keras computes them
+        self.keep_1, self.keep_2 = np.float32(1 - beta_1), np.float32(1 - beta_2)
+        self.exchange = OneBitExchange(d, n, block_size, two_way)
+        self.m, self.v, self.v_hat = np.zeros(d, np.float32), np.zeros(d, np.float32), np.zeros(d, np.float32)
+        self.t = 0
+
+    def step(self, x, grads, lr):
+        lr, one = np.float32(lr), np.float32(1)
+        self.t += 1
+        if self.wd:
+            x -= x * (self.wd * lr)
+        if self.t <= self.warmup_steps:
+            g = np.add.accumulate(np.asarray(grads, np.float32), axis=0)[-1] * np.float32(1 / self.n)  # in rank order
+            self.m += (g - self.m) * self.keep_1
+            self.v += (np.square(g) - self.v) * self.keep_2
+            self.v_hat = np.maximum(self.v_hat, self.v)
+            variance_step = np.float32(self.t)
+        else:
+            self.m = self.exchange([self.m + ((g - self.m) * self.keep_1 + e) for g, e in zip(grads, self.exchange.e)])
+            variance_step = np.float32(self.warmup_steps)
+        alpha = lr * np.sqrt(one - self.b2 ** variance_step) / (one - self.b1 ** np.float32(self.t))
+        x -= (self.m * np.float32(alpha)) / (np.sqrt(self.v_hat if self.amsgrad else self.v) + self.eps)
 
 
 def _mix64(z):

@@ -11,9 +11,10 @@ from hvdrun import KERASES, run_ranks
 
 # Every method and every format, written by rank 0: test_conventions.py.
 CHECKPOINTS = {"tf_keras": ["checkpoint/onebit", "weights/onebit", "checkpoint/randomk", "checkpoint/sketch",
-                            "checkpoint/sgp", "weights/powersgd"],
-               "keras3": ["checkpoint/onebit", "checkpoint/sgp", "checkpoint/powersgd"]}
-MODEL_FILES = {"tf_keras": ["h5/powersgd", "savedmodel/sgp"], "keras3": ["keras/powersgd", "keras/sgp"]}
+                            "checkpoint/sgp", "weights/powersgd", "checkpoint/onebit_adamw"],
+               "keras3": ["checkpoint/onebit", "checkpoint/sgp", "checkpoint/powersgd", "checkpoint/onebit_adamw"]}
+MODEL_FILES = {"tf_keras": ["h5/powersgd", "savedmodel/sgp", "h5/onebit_adamw"],
+               "keras3": ["keras/powersgd", "keras/sgp", "keras/onebit_adamw"]}
 CASES = [(keras, case) for keras in KERASES for case in CHECKPOINTS[keras] + MODEL_FILES[keras]]
 
 
@@ -59,6 +60,7 @@ def test_a_model_file_resumes_the_model_and_replicated_state(runs, keras, case):
         assert after["at_restore"]["model"] == before["at_save"]["model"]
         assert after["at_restore"]["replicated"] == before["at_save"]["replicated"]
         assert after["at_restore"]["rank_state"] == after["at_restore"]["fresh_rank_state"]
+        assert (after["adamw"], after["warmup_steps"]) == (before["adamw"], before["warmup_steps"])  # as saved
     assert resumed[0]["at_end"]["model"] == resumed[1]["at_end"]["model"] or case.endswith("sgp")
 
 

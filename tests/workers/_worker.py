@@ -122,7 +122,27 @@ SMALL_MODEL = {"topk": dict(ratio=0.05), "randomk": dict(ratio=0.1), "powersgd":
                "fetchsgd": dict(ratio=3)}
 
 
+#: Test methods that train 1-bit AdamW (hvd_compress/adam.py): the worker's SGD replaced by AdamW, with the
+#: named compression and a full-precision warm-up of ADAMW_WARMUP steps.
+ADAMW_METHODS = {"onebit_adamw": "onebit"}
+ADAMW_WARMUP, ADAMW_LEARNING_RATE = 4, 0.002
+
+
 def compression(method, **overrides):
-    """Method `method` of the registry, with the small-model settings and then `overrides`."""
+    """Method `method` of the registry (or of ADAMW_METHODS), with the small-model settings and then `overrides`."""
     import hvd_compress as hc
+    method = ADAMW_METHODS.get(method, method)
     return hc.methods.compression(method, **{**SMALL_MODEL.get(method, {}), **overrides})
+
+
+def distributed_optimizer(sgd, method, chosen=None, **kwargs):
+    """hc.DistributedOptimizer(sgd) with the method's compression (or `chosen`); for a method of ADAMW_METHODS,
+    an AdamW with sgd's clipping in sgd's place (and the warm-up). kwargs: the wrapper's."""
+    import hvd_compress as hc
+    chosen = chosen or compression(method)
+    if method not in ADAMW_METHODS:
+        return hc.DistributedOptimizer(sgd, compression=chosen, **kwargs)
+    config = sgd.get_config()
+    clipping = {k: config[k] for k in ("clipnorm", "clipvalue", "global_clipnorm") if config.get(k) is not None}
+    adamw = hc.keras_compat.keras_of(sgd).optimizers.AdamW(ADAMW_LEARNING_RATE, weight_decay=0.004, **clipping)
+    return hc.DistributedOptimizer(adamw, compression=chosen, warmup_steps=ADAMW_WARMUP, **kwargs)

@@ -19,9 +19,10 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import IdenticalRanks, compression, keras_and_broadcast, report
+from _worker import IdenticalRanks, compression, distributed_optimizer, keras_and_broadcast, report
 
-flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,fetchsgd,sgp", "Methods to run.")
+flags.DEFINE_list("methods", "onebit,onebit_oneway,onebit_adamw,topk,randomk,powersgd,sketch,fetchsgd,sgp",
+                  "Methods to run.")
 flags.DEFINE_bool("hc_callback", False, "Use hc.callbacks.BroadcastGlobalVariablesCallback in tf_keras too "
                   "(Keras 3 always does).")
 FLAGS = flags.FLAGS
@@ -33,7 +34,7 @@ def make_optimizer(keras, method):
     if method == "sgp":  # overlap: the mass in flight is per-rank state too
         return hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
     # Odd sizes: 29*37 + 37*23 + 23*5 = 2039 compressed elements, shards unequal at 3, 5, 7 ranks.
-    return hc.DistributedOptimizer(sgd, compression=compression(method), min_compress_size=64)
+    return distributed_optimizer(sgd, method, min_compress_size=64)
 
 
 def kept_state(opt):

@@ -14,14 +14,14 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import compression, report
+from _worker import compression, distributed_optimizer, report
 
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. Formats: checkpoint, weights, "
                   "savedmodel, h5 (tf_keras), keras (Keras 3); compressions: onebit, topk, randomk, sketch, "
-                  "powersgd, or sgp (PushSumOptimizer).")
+                  "powersgd, onebit_adamw (1-bit AdamW) or sgp (PushSumOptimizer).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
 FLAGS = flags.FLAGS
@@ -42,8 +42,8 @@ def new_model_and_optimizer(keras, method):
     chosen = None if method == "sgp" else compression(method)
     if method == "sgp":  # overlap, so the mass in flight must be restored too
         opt = hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
-    else:
-        opt = hc.DistributedOptimizer(sgd, compression=chosen)
+    else:  # (onebit_adamw: 1-bit AdamW, compressed from step _worker.ADAMW_WARMUP on)
+        opt = distributed_optimizer(sgd, method, chosen=chosen)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, opt, chosen
 
@@ -101,6 +101,8 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
         np.save(pathlib.Path(export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
     return dict(at_save=at_save, at_restore=at_restore, at_end=states(model, opt),
                 num_optimizer_variables=len(opt.variables), iterations=int(opt.iterations.numpy()),
+                adamw=isinstance(opt, keras.optimizers.AdamW),
+                warmup_steps=None if method == "sgp" else opt.compression_exchange.warmup_steps,
                 residual_norm=float(opt.compression_exchange.residual_norm() if method != "sgp"
                                     else opt.pushsum.in_flight[-1]))
 

@@ -24,11 +24,12 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd_tf
 import hvd_compress as hc
-from _worker import IdenticalRanks, compression, define_list_of, keras_and_broadcast, report, weights_digest
+from _worker import (IdenticalRanks, compression, define_list_of, distributed_optimizer, keras_and_broadcast, report,
+                     weights_digest)
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
-METHODS = ["onebit", "onebit_oneway", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp", "fp16"]
+METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp", "fp16"]
 CASES = ["matrix", "overflow", "clipping", "metrics"]
 define_list_of("cases", CASES, CASES, "Cases.")
 define_list_of("rows", ROWS, ROWS, "Matrix rows.")
@@ -41,7 +42,7 @@ BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 def wrap(sgd, method):
     if method == "sgp":
         return hc.PushSumOptimizer(sgd, graph="exponential2")
-    return hc.DistributedOptimizer(sgd, compression=compression(method), min_compress_size=64)
+    return distributed_optimizer(sgd, method, min_compress_size=64)
 
 
 def digest(arrays):

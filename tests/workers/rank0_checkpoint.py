@@ -21,14 +21,14 @@ import horovod.tensorflow as hvd_tf
 hvd = hvd_tf  # rank, size and init; no Keras layer of Horovod here
 
 import hvd_compress as hc
-from _worker import IdenticalRanks, LoggedLines, keras_and_broadcast, report, weights_digest
+from _worker import IdenticalRanks, LoggedLines, distributed_optimizer, keras_and_broadcast, report, weights_digest
 from _worker import compression as small_model_compression
 
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
-flags.DEFINE_list("methods", "onebit,onebit_oneway,topk,randomk,powersgd,sketch,fetchsgd,sgp", "Methods.")
+flags.DEFINE_list("methods", "onebit,onebit_oneway,onebit_adamw,topk,randomk,powersgd,sketch,fetchsgd,sgp", "Methods.")
 flags.DEFINE_list("formats", None, "Resume: formats to restore (default: all of this Keras's).")
 flags.DEFINE_integer("epochs", 8, "Epochs in all (saved after half).")
 flags.DEFINE_bool("mutate", False, "Resume: give rank 1 rank 0's per-rank state after the restore, as "
@@ -60,7 +60,7 @@ def compression(method):
 def optimizer(sgd, method):
     if method == "sgp":  # overlap: the mass in flight is per-rank state (without it w_i stays 1)
         return hc.PushSumOptimizer(sgd, overlap=True)
-    return hc.DistributedOptimizer(sgd, compression=compression(method))
+    return distributed_optimizer(sgd, method, chosen=compression(method))
 
 
 def rank_state(opt):

@@ -17,9 +17,11 @@ from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
+flags.DEFINE_list("checks", ["world", "quantize", "adam"], "Which checks to run.")
 FLAGS = flags.FLAGS
 SHAPE, DENSE, MU = (60, 50), 10, 0.9
 BOUNDARIES, RATES = [2], [0.1, 0.05]
+WARMUP = 2  # 1-bit Adam's full-precision steps
 
 
 def grads_of(rank, step):
@@ -115,6 +117,59 @@ def reference_powersgd(compression, size, nesterov, schedule=None):
         e = [mr - update for mr in ms]
         ref.keras_sgd(x, m, update.reshape(-1).astype(np.float32), RATES[int(t > BOUNDARIES[0])], MU, nesterov)
     return x
+
+
+def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps=WARMUP):
+    """1-bit Adam: hc's Adam (weight_decay > 0: AdamW) with `compression`; returns w, b."""
+    keras = tf.keras
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
+    inner = (keras.optimizers.AdamW(schedule, weight_decay=weight_decay, amsgrad=amsgrad) if weight_decay else
+             keras.optimizers.Adam(schedule, amsgrad=amsgrad))
+    opt = hc.DistributedOptimizer(inner, compression=compression, process_set=process_set, warmup_steps=warmup_steps,
+                                  name=f"hc.adam.n{process_set.size()}")
+
+    @tf.function
+    def step(gw, gb):
+        opt.apply_gradients([(gw, w), (gb, b)])
+
+    for t in range(FLAGS.steps):
+        step(*map(tf.constant, grads_of(process_set.rank(), t)))
+    assert opt.compression_exchange.adam is not None
+    return w.numpy().reshape(-1), b.numpy()
+
+
+def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, **shape):
+    """1-bit Adam in NumPy on one variable (0: w, compressed; 1: b, dense: Keras's Adam throughout); shape:
+    block_size, two_way, amsgrad."""
+    d = grads_of(0, 0)[variable].size
+    model = ref.OneBitAdam(d, size, warmup_steps if variable == 0 else FLAGS.steps, weight_decay=weight_decay, **shape)
+    x = np.zeros(d, np.float32)
+    for t in range(FLAGS.steps):
+        model.step(x, [grads_of(r, t)[variable].reshape(-1) for r in range(size)],
+                   np.float32(RATES[int(t > BOUNDARIES[0])] / 10))
+    return x
+
+
+def check_adam(process_set, digests):
+    """1-bit Adam (Adam and AdamW; onebit two-way, and one-way in blocks) over WARMUP full-precision steps
+    and the compressed ones after, against the NumPy reference bit for bit."""
+    size = process_set.size()
+    cases = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0, False, dict()),
+             "1-bit AdamW one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), 0.05, False,
+                                            dict(block_size=64, two_way=False)),
+             "1-bit AdamW two-way blocks amsgrad": (hc.Compression.onebit(block_size=64), 0.05, True,
+                                                    dict(block_size=64, amsgrad=True))}
+    for name, (compression, weight_decay, amsgrad, shape) in cases.items():
+        w, b = run_adam(compression, process_set, weight_decay, amsgrad)
+        np.testing.assert_array_equal(w, reference_adam(size, weight_decay, 0, **shape), err_msg=f"n={size} {name}")
+        # The dense variable is Keras's Adam on Horovod's ring allreduce, whose order of summation NumPy does not replay
+        np.testing.assert_allclose(b, reference_adam(size, weight_decay, 1, amsgrad=amsgrad), rtol=1e-5, atol=1e-7,
+                                   err_msg=f"n={size} {name} (dense)")
+        uncompressed = reference_adam(size, weight_decay, 0, warmup_steps=FLAGS.steps)
+        assert not np.allclose(w, uncompressed, rtol=1e-5, atol=1e-6), name  # the compressed steps show
+        digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
 
 
 def run_tape(block_size, process_set):
@@ -314,8 +369,8 @@ def check_quantize(process_set, digests):
 def main(_):
     digests = {}
     for process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]]).values():
-        check_world(process_set, digests)
-        check_quantize(process_set, digests)
+        for check in FLAGS.checks:
+            {"world": check_world, "quantize": check_quantize, "adam": check_adam}[check](process_set, digests)
     report(hvd, digests=digests)
 
 

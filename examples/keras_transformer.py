@@ -1,0 +1,162 @@
+"""A small causal transformer (character-level) trained as transformers are trained today: AdamW with
+decoupled weight decay, a linear warm-up into a cosine decay, global-norm clipping, mixed_float16.
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_transformer.py --method onebit
+    horovodrun -np 2 -H localhost:2 --gloo python examples/keras_transformer.py --method horovod_fp16
+
+The text is Python's own documentation (examples/pydoc_text.py): the model reads SEQUENCE characters and
+predicts each next one (2 blocks of causal multi-head attention and a GELU feed-forward, pre-layer-norm,
+dropout). Test accuracy: next-character accuracy on the last TEST_CHARS characters, which training never
+sees (every held-out character is one sample: 65,000 of them). --method picks the exchange from hvd_compress's
+registry (hc.methods): under AdamW, `onebit` trains 1-bit Adam (Adam's momentum exchanged in 1 bit after
+--compression_warmup full-precision steps); the others compress the gradient (error feedback); or Horovod's
+own DistributedOptimizer, `horovod_fp32` and `horovod_fp16`. Rank 0 prints the test accuracy and the bytes
+each worker sent per step; --history writes them as JSON.
+"""
+import os
+
+# tf_keras for tf.keras: the baselines are Horovod's own DistributedOptimizer, which needs it.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import horovod.tensorflow.keras as hvd  # noqa: E402
+import hvd_compress as hc  # noqa: E402
+from hvd_compress.exchange import allreduce_bytes  # noqa: E402
+from pydoc_text import character_codes  # noqa: E402
+
+METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
+flags.DEFINE_enum("method", "onebit", METHODS, "How gradients are exchanged: a method of hc.methods.")
+flags.DEFINE_string("policy", "mixed_float16", "Keras mixed-precision policy.")
+flags.DEFINE_integer("epochs", 3, "Training epochs.")
+flags.DEFINE_integer("batch_size", 32, "Sequences per rank and step.")
+flags.DEFINE_float("lr", 2e-3, "AdamW's peak learning rate.")
+flags.DEFINE_float("lr_warmup", 0.1, "Fraction of the steps spent warming the learning rate up from 0.")
+flags.DEFINE_float("weight_decay", 0.01, "AdamW's decoupled weight decay.")
+flags.DEFINE_float("global_clipnorm", 1.0, "Clip each rank's gradient to this global norm.")
+flags.DEFINE_float("compression_warmup", 0.15, "Fraction of the steps at full precision before compression "
+                   "starts (hc.DistributedOptimizer's warmup_steps; 1-bit Adam's variance is frozen after it).")
+flags.DEFINE_float("topk_ratio", 0.01, "topk, randomk: the fraction of coordinates sent.")
+flags.DEFINE_integer("evaluations_per_epoch", 1, "Test evaluations per epoch (each one logged).")
+flags.DEFINE_integer("seed", 0, "Seed for the initial weights, dropout and shuffling.")
+flags.DEFINE_string("history", None, "Where rank 0 writes accuracy, bytes and the evaluations (JSON).")
+FLAGS = flags.FLAGS
+SEQUENCE, TRAIN_STRIDE, TEST_CHARS = 64, 32, 65_000
+WIDTH, HEADS, BLOCKS, DROPOUT = 128, 4, 2, 0.1
+
+
+def load_text():
+    """(train inputs, train targets), (test inputs, test targets), vocabulary size: windows of SEQUENCE
+    characters and the same windows one character later."""
+    codes, vocab_size = character_codes()
+    train, test = codes[:-TEST_CHARS], codes[-TEST_CHARS - 1:]
+
+    def windows(part, stride):
+        starts = np.arange(0, len(part) - SEQUENCE - 1, stride)
+        x = part[starts[:, None] + np.arange(SEQUENCE)]
+        return x, part[starts[:, None] + np.arange(1, SEQUENCE + 1)]
+
+    return windows(train, TRAIN_STRIDE), windows(test, SEQUENCE), vocab_size
+
+
+def transformer(keras, vocab_size):
+    """Token and position embeddings, BLOCKS pre-norm causal attention blocks, logits in float32."""
+    tokens = keras.layers.Input((SEQUENCE,), dtype="int32")
+    x = keras.layers.Embedding(vocab_size, WIDTH)(tokens)
+    x = PositionEmbedding(SEQUENCE, WIDTH)(x)
+    for _ in range(BLOCKS):
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, dropout=DROPOUT)(h, h, use_causal_mask=True)
+        x = x + keras.layers.Dropout(DROPOUT)(h)
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.Dense(4 * WIDTH, activation="gelu")(h)
+        x = x + keras.layers.Dropout(DROPOUT)(keras.layers.Dense(WIDTH)(h))
+    x = keras.layers.LayerNormalization()(x)
+    logits = keras.layers.Dense(vocab_size)(x)
+    return keras.Model(tokens, keras.layers.Activation("linear", dtype="float32")(logits))
+
+
+class PositionEmbedding(tf.keras.layers.Layer):
+    """Adds a learned embedding of each position."""
+
+    def __init__(self, length, width, **kwargs):
+        super().__init__(**kwargs)
+        self.length, self.width = length, width
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(name="positions", shape=(self.length, self.width),
+                                         initializer=tf.keras.initializers.RandomNormal(stddev=0.02))
+
+    def call(self, x):
+        return x + tf.cast(self.positions, x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "length": self.length, "width": self.width}
+
+
+def optimizer_for(keras, steps):
+    """AdamW on a linear warm-up into a cosine decay, with global-norm clipping, wrapped as --method trains."""
+    warm = max(1, int(FLAGS.lr_warmup * steps))
+    schedule = keras.optimizers.schedules.CosineDecay(0.0, steps - warm, warmup_target=FLAGS.lr, warmup_steps=warm)
+    adamw = keras.optimizers.AdamW(schedule, weight_decay=FLAGS.weight_decay, global_clipnorm=FLAGS.global_clipnorm)
+    if FLAGS.method.startswith("horovod_"):
+        return hc.methods.distributed_optimizer(FLAGS.method, adamw)
+    overrides = {"ratio": FLAGS.topk_ratio} if FLAGS.method in ("topk", "randomk") else {}
+    return hc.methods.distributed_optimizer(FLAGS.method, adamw, overrides=overrides,
+                                            warmup_steps=max(1, int(FLAGS.compression_warmup * steps)))
+
+
+class Evaluate(tf.keras.callbacks.Callback):
+    """Test accuracy every `every` steps (and at the end), into `accuracies` as (step, accuracy)."""
+
+    def __init__(self, x, y, every):
+        super().__init__()
+        self.x, self.y, self.every, self.step, self.accuracies = x, y, every, 0, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step % self.every == 0:
+            _, accuracy = self.model.evaluate(self.x, self.y, verbose=0, batch_size=256)
+            self.accuracies.append((self.step, float(accuracy)))
+            if hvd.rank() == 0:
+                print(f"step {self.step}: test accuracy {accuracy:.4f}", flush=True)
+
+
+def main(_):
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    keras.mixed_precision.set_global_policy(FLAGS.policy)
+    tf.keras.utils.set_random_seed(FLAGS.seed)
+    (x, y), (x_test, y_test), vocab_size = load_text()
+    order = np.random.default_rng(FLAGS.seed).permutation(len(x))
+    steps_per_epoch = len(x) // (hvd.size() * FLAGS.batch_size)
+    mine = order[hvd.rank()::hvd.size()][:steps_per_epoch * FLAGS.batch_size]
+    model = transformer(keras, vocab_size)
+    optimizer = optimizer_for(keras, FLAGS.epochs * steps_per_epoch)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    evaluate = Evaluate(x_test, y_test, max(1, steps_per_epoch // FLAGS.evaluations_per_epoch))
+    model.fit(x[mine], y[mine], batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=True, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), evaluate])
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0, batch_size=256)
+    if FLAGS.method.startswith("horovod_"):  # Horovod's ring allreduce of every gradient in 16 or 32 bits
+        sent = allreduce_bytes((2 if FLAGS.method == "horovod_fp16" else 4) * model.count_params(), hvd.size())
+    else:
+        sent = optimizer.compression_exchange.bytes_sent  # after the warm-up: the compressed exchange's
+    result = dict(method=FLAGS.method, policy=FLAGS.policy, ranks=hvd.size(), seed=FLAGS.seed,
+                  test_accuracy=float(accuracy), bytes_per_step=float(sent), parameters=int(model.count_params()),
+                  steps=FLAGS.epochs * steps_per_epoch, accuracies=evaluate.accuracies)
+    if hvd.rank() == 0:
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+                       if k != "accuracies"))
+        if FLAGS.history:
+            with open(FLAGS.history, "w") as f:
+                json.dump(result, f)
+
+
+if __name__ == "__main__":
+    app.run(main)
