@@ -30,11 +30,12 @@ def label(method):
     return LABELS.get(method, method)
 
 
-def optimizer(hc, method, base_optimizer, variants=None):
+def optimizer(hc, method, base_optimizer, variants=None, **wrapper_kwargs):
     """`base_optimizer` wrapped as `method` trains: one of hc.methods.NAMES, or a variant of the
-    benchmark's own (`variants`: name -> (a name of hc.methods, the overrides of its arguments))."""
+    benchmark's own (`variants`: name -> (a name of hc.methods, the overrides of its arguments)).
+    wrapper_kwargs: the wrapper's own arguments."""
     name, overrides = (variants or {}).get(method, (method, {}))
-    return hc.methods.distributed_optimizer(name, base_optimizer, overrides=overrides)
+    return hc.methods.distributed_optimizer(name, base_optimizer, overrides=overrides, **wrapper_kwargs)
 
 
 def check_names(script, what, chosen, known):

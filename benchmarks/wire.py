@@ -121,10 +121,10 @@ flags.DEFINE_string("result", None, "worker: where this rank writes its JSON.")
 FLAGS = flags.FLAGS
 
 
-def make_optimizer(hc, hvd, keras, method, base_optimizer):
+def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
     """(optimizer, accounted): the optimizer for `method`, and accounted(num_params), the bytes one
     worker sends per step by the exchange's own accounting (call it after the first step: hc's
-    exchanges are built then).
+    exchanges are built then). wrapper_kwargs: the wrapper's own arguments (e.g. warmup_steps).
 
     hvd is horovod.tensorflow.keras. A method is hc.methods' (its name and defaults), a VARIANTS
     entry (a name of hc.methods with other arguments) or one of ACCORDION.
@@ -147,13 +147,13 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer):
         "sgp": lambda opt, params: opt.pushsum.bytes_sent,
     }.get(method, lambda opt, params: opt.compression_exchange.bytes_sent)
     if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
-        optimizer = hc.DistributedOptimizer(base_optimizer)
+        optimizer = hc.DistributedOptimizer(base_optimizer, **wrapper_kwargs)
         optimizer.compression_exchange.use_accordion(
             hc.accordion.AdaptiveCompression(hc.methods.compression("powersgd", rank=4),
                                              hc.methods.compression("powersgd", rank=1)),
             hc.accordion.RegimeDetector())
     else:
-        optimizer = launch.optimizer(hc, method, base_optimizer, VARIANTS)
+        optimizer = launch.optimizer(hc, method, base_optimizer, VARIANTS, **wrapper_kwargs)
     return optimizer, lambda num_params: float(accounting(optimizer, num_params))
 
 

@@ -4,10 +4,9 @@ decoupled weight decay, a linear warm-up into a cosine decay, global-norm clippi
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_transformer.py --method onebit
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_transformer.py --method horovod_fp16
 
-The text is Python's own documentation (examples/pydoc_text.py): the model reads SEQUENCE characters and
-predicts each next one (2 blocks of causal multi-head attention and a GELU feed-forward, pre-layer-norm,
-dropout). Test accuracy: next-character accuracy on the last TEST_CHARS characters, which training never
-sees (every held-out character is one sample: 65,000 of them). --method picks the exchange from hvd_compress's
+The task is examples/transformer.py's: Python's own documentation, read 64 characters at a time, each next
+one predicted (2 blocks of causal multi-head attention and a GELU feed-forward, pre-layer-norm, dropout).
+Test accuracy: next-character accuracy on the last 65,000 characters, which training never sees. --method picks the exchange from hvd_compress's
 registry (hc.methods): under AdamW, `onebit` trains 1-bit Adam (Adam's momentum exchanged in 1 bit after
 --compression_warmup full-precision steps); the others compress the gradient (error feedback); or Horovod's
 own DistributedOptimizer, `horovod_fp32` and `horovod_fp16`. Rank 0 prints the test accuracy and the bytes
@@ -27,7 +26,7 @@ from absl import app, flags  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
-from pydoc_text import character_codes  # noqa: E402
+import transformer  # noqa: E402
 
 METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
 flags.DEFINE_enum("method", "onebit", METHODS, "How gradients are exchanged: a method of hc.methods.")
@@ -39,75 +38,26 @@ flags.DEFINE_float("lr_warmup", 0.1, "Fraction of the steps spent warming the le
 flags.DEFINE_float("weight_decay", 0.01, "AdamW's decoupled weight decay.")
 flags.DEFINE_float("global_clipnorm", 1.0, "Clip each rank's gradient to this global norm.")
 flags.DEFINE_float("compression_warmup", 0.15, "Fraction of the steps at full precision before compression "
-                   "starts (hc.DistributedOptimizer's warmup_steps; 1-bit Adam's variance is frozen after it).")
+                   "starts (hc.DistributedOptimizer's warmup_steps; 1-bit Adam's variance is frozen after it, and "
+                   "refuses 0).")
 flags.DEFINE_float("topk_ratio", 0.01, "topk, randomk: the fraction of coordinates sent.")
+flags.DEFINE_integer("powersgd_rank", 4, "powersgd: the rank of each matrix's approximation.")
 flags.DEFINE_integer("evaluations_per_epoch", 1, "Test evaluations per epoch (each one logged).")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights, dropout and shuffling.")
 flags.DEFINE_string("history", None, "Where rank 0 writes accuracy, bytes and the evaluations (JSON).")
 FLAGS = flags.FLAGS
-SEQUENCE, TRAIN_STRIDE, TEST_CHARS = 64, 32, 65_000
-WIDTH, HEADS, BLOCKS, DROPOUT = 128, 4, 2, 0.1
-
-
-def load_text():
-    """(train inputs, train targets), (test inputs, test targets), vocabulary size: windows of SEQUENCE
-    characters and the same windows one character later."""
-    codes, vocab_size = character_codes()
-    train, test = codes[:-TEST_CHARS], codes[-TEST_CHARS - 1:]
-
-    def windows(part, stride):
-        starts = np.arange(0, len(part) - SEQUENCE - 1, stride)
-        x = part[starts[:, None] + np.arange(SEQUENCE)]
-        return x, part[starts[:, None] + np.arange(1, SEQUENCE + 1)]
-
-    return windows(train, TRAIN_STRIDE), windows(test, SEQUENCE), vocab_size
-
-
-def transformer(keras, vocab_size):
-    """Token and position embeddings, BLOCKS pre-norm causal attention blocks, logits in float32."""
-    tokens = keras.layers.Input((SEQUENCE,), dtype="int32")
-    x = keras.layers.Embedding(vocab_size, WIDTH)(tokens)
-    x = PositionEmbedding(SEQUENCE, WIDTH)(x)
-    for _ in range(BLOCKS):
-        h = keras.layers.LayerNormalization()(x)
-        h = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, dropout=DROPOUT)(h, h, use_causal_mask=True)
-        x = x + keras.layers.Dropout(DROPOUT)(h)
-        h = keras.layers.LayerNormalization()(x)
-        h = keras.layers.Dense(4 * WIDTH, activation="gelu")(h)
-        x = x + keras.layers.Dropout(DROPOUT)(keras.layers.Dense(WIDTH)(h))
-    x = keras.layers.LayerNormalization()(x)
-    logits = keras.layers.Dense(vocab_size)(x)
-    return keras.Model(tokens, keras.layers.Activation("linear", dtype="float32")(logits))
-
-
-class PositionEmbedding(tf.keras.layers.Layer):
-    """Adds a learned embedding of each position."""
-
-    def __init__(self, length, width, **kwargs):
-        super().__init__(**kwargs)
-        self.length, self.width = length, width
-
-    def build(self, input_shape):
-        self.positions = self.add_weight(name="positions", shape=(self.length, self.width),
-                                         initializer=tf.keras.initializers.RandomNormal(stddev=0.02))
-
-    def call(self, x):
-        return x + tf.cast(self.positions, x.dtype)
-
-    def get_config(self):
-        return {**super().get_config(), "length": self.length, "width": self.width}
 
 
 def optimizer_for(keras, steps):
-    """AdamW on a linear warm-up into a cosine decay, with global-norm clipping, wrapped as --method trains."""
-    warm = max(1, int(FLAGS.lr_warmup * steps))
-    schedule = keras.optimizers.schedules.CosineDecay(0.0, steps - warm, warmup_target=FLAGS.lr, warmup_steps=warm)
-    adamw = keras.optimizers.AdamW(schedule, weight_decay=FLAGS.weight_decay, global_clipnorm=FLAGS.global_clipnorm)
+    """transformer.adamw, wrapped as --method trains."""
+    adamw = transformer.adamw(keras, steps, lr=FLAGS.lr, lr_warmup=FLAGS.lr_warmup, weight_decay=FLAGS.weight_decay,
+                              global_clipnorm=FLAGS.global_clipnorm)
     if FLAGS.method.startswith("horovod_"):
         return hc.methods.distributed_optimizer(FLAGS.method, adamw)
-    overrides = {"ratio": FLAGS.topk_ratio} if FLAGS.method in ("topk", "randomk") else {}
+    overrides = ({"ratio": FLAGS.topk_ratio} if FLAGS.method in ("topk", "randomk") else
+                 {"rank": FLAGS.powersgd_rank} if FLAGS.method == "powersgd" else {})
     return hc.methods.distributed_optimizer(FLAGS.method, adamw, overrides=overrides,
-                                            warmup_steps=max(1, int(FLAGS.compression_warmup * steps)))
+                                            warmup_steps=int(FLAGS.compression_warmup * steps))
 
 
 class Evaluate(tf.keras.callbacks.Callback):
@@ -131,11 +81,11 @@ def main(_):
     hvd.init()
     keras.mixed_precision.set_global_policy(FLAGS.policy)
     tf.keras.utils.set_random_seed(FLAGS.seed)
-    (x, y), (x_test, y_test), vocab_size = load_text()
+    (x, y), (x_test, y_test), vocab_size = transformer.load_text()
     order = np.random.default_rng(FLAGS.seed).permutation(len(x))
     steps_per_epoch = len(x) // (hvd.size() * FLAGS.batch_size)
     mine = order[hvd.rank()::hvd.size()][:steps_per_epoch * FLAGS.batch_size]
-    model = transformer(keras, vocab_size)
+    model = transformer.transformer(keras, vocab_size)
     optimizer = optimizer_for(keras, FLAGS.epochs * steps_per_epoch)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])

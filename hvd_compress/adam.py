@@ -11,12 +11,21 @@ m and v Adam's replicated slots, b1, b2, eps its hyperparameters:
     t <= T_w:  g = mean_i g_i (float32 allreduce)
                m = m + (g - m)(1 - b1);   v = v + (g^2 - v)(1 - b2)   (amsgrad: v^ = max(v^, v))
                x = x - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
-    t >  T_w:  a_i = m + ((g_i - m)(1 - b1) + e_i);   D = the compressor's exchange of
-               the a_i (onebit two-way: D = C(mean_i C(a_i) + e_s), worker and server error feedback)
-               m = D;   v frozen
-               x = x - lr sqrt(1 - b2^T_w) / (1 - b1^t) * m / (sqrt(v) + eps)
+    t >  T_w:  d = sqrt(v) + eps (v frozen);   a_i = (m + (g_i - m)(1 - b1)) / d + e_i
+               D = the compressor's exchange of the a_i (onebit two-way: D = C(mean_i C(a_i) + e_s),
+               worker and server error feedback);   m = D d
+               x = x - lr sqrt(1 - b2^T_w) / (1 - b1^t) * D
 
-The variance's bias correction stays at T_w with v, so the step is continuous at the switch;
+What travels is the momentum divided by the frozen d, the step Adam would take: the same linear
+map on every rank, so mean_i(m_i / d) = mean_i(m_i) / d, and m = D d is the paper's averaged
+momentum. Compressing m itself (the paper) gives every coordinate of a block one magnitude, the
+block's mean |m|, which the division by a small sqrt(v) then blows up (on the digits CNN the
+largest step jumped from 0.0025 to 1.3 at the switch and training diverged); m / d has about the
+same magnitude everywhere, which a sign and one scale describe well.
+
+The variance's bias correction stays with v at the steps it averaged (T_w; `variance_steps`, replicated,
+so a resume keeps it; where compression starts on an Adam that trained before without this warm-up, the
+optimizer's step count then), so the step is continuous at the switch;
 AdamW's decoupled weight decay, x = x - lr wd x, comes first, as Keras applies it; `lr` is the
 schedule's rate of this step. Both branches are Keras's Adam update written out (tf_keras's
 adaptive_epsilon too), on the slots Keras created, so model files, broadcasts and other world
@@ -36,8 +45,10 @@ class AdamMomentumInFront:
     """The worker's side of 1-bit Adam for the compressed variables of one Adam (or AdamW): what it
     hands the exchange (`error_fed`) and the step it takes from the exchanged mean (`delta`)."""
 
-    def __init__(self, optimizer, variables, warmup_steps):
+    def __init__(self, optimizer, variables, warmup_steps, variance_steps):
+        """variance_steps: a replicated float32 variable, the number of steps v has averaged (0: none yet)."""
         self.slots = [adam_slots(optimizer, v) for v in variables]
+        self.variance_steps = variance_steps
         self.beta_1, self.beta_2 = float(optimizer.beta_1), float(optimizer.beta_2)
         self.epsilon = float(optimizer.epsilon)
         self.adaptive_epsilon = bool(getattr(optimizer, "adaptive_epsilon", False))  # tf_keras's option
@@ -53,32 +64,48 @@ class AdamMomentumInFront:
 
         def momentum():
             m_ = tf.cast(m, tf.float32)
-            return m_ + ((g - m_) * (1.0 - self.beta_1) + e)  # (the order TensorFlow's graph optimizer keeps)
+            return (m_ + (g - m_) * (1.0 - self.beta_1)) / self.preconditioner(slot, tf.float32) + e
 
         return tf.cond(self.warm(step), lambda: tf.identity(g), momentum)
 
-    def delta(self, slot, mean, step, learning_rate):
+    def preconditioner(self, slot, dtype):
+        """d = sqrt(v) + eps (v_hat under amsgrad; tf_keras's adaptive epsilon scaled with the frozen
+        correction), frozen after the warm-up."""
+        _, v, v_hat = self.slots[slot]
+        velocity = tf.cast(tf.convert_to_tensor(v if v_hat is None else v_hat), dtype)
+        epsilon = self.epsilon
+        if self.adaptive_epsilon:
+            epsilon = self.epsilon * tf.sqrt(1.0 - tf.pow(self.beta_2, tf.convert_to_tensor(self.variance_steps)))
+        return tf.sqrt(velocity) + tf.cast(epsilon, dtype)
+
+    def count_variance_steps(self, step):
+        """Once a step: the steps v has averaged, for its bias correction: t during the warm-up, then frozen
+        (where compression starts with none counted, on an Adam that trained before: the steps so far)."""
+        t = tf.cast(step + 1, tf.float32)
+        counted = tf.convert_to_tensor(self.variance_steps)
+        steps = tf.where(self.warm(step), t, tf.where(counted > 0, counted, t - 1.0))
+        self.variance_steps.assign(steps)
+        return steps
+
+    def delta(self, slot, mean, step, learning_rate, variance_steps):
         """What the variable loses this step, from the exchanged mean (the gradient during warm-up, then
-        the momentum); updates m (and v during warm-up)."""
+        m / d); updates m (and v during warm-up). variance_steps: count_variance_steps(step)."""
         m, v, v_hat = self.slots[slot]
         mean = tf.reshape(tf.cast(mean, m.dtype), m.shape)
+        t = tf.cast(step + 1, tf.float32)
+        variance_correction = tf.sqrt(1.0 - tf.pow(self.beta_2, variance_steps))
+        alpha = tf.cast(tf.cast(learning_rate, tf.float32) * variance_correction / (1.0 - tf.pow(self.beta_1, t)),
+                        m.dtype)
 
-        def adam_moments():
+        def adam():
             m.assign_add((mean - m) * (1.0 - self.beta_1))
             v.assign_add((tf.square(mean) - v) * (1.0 - self.beta_2))
             if v_hat is not None:
                 v_hat.assign(tf.maximum(v_hat, v))
-            return tf.cast(step + 1, tf.float32)
+            return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
 
-        def frozen_variance():
-            m.assign(mean)
-            return tf.constant(float(self.warmup_steps))
+        def one_bit_adam():
+            m.assign(mean * self.preconditioner(slot, m.dtype))
+            return mean * alpha
 
-        variance_step = tf.cond(self.warm(step), adam_moments, frozen_variance)
-        t = tf.cast(step + 1, tf.float32)
-        with tf.control_dependencies([variance_step]):
-            variance_correction = tf.sqrt(1.0 - tf.pow(self.beta_2, variance_step))
-            alpha = tf.cast(learning_rate, tf.float32) * variance_correction / (1.0 - tf.pow(self.beta_1, t))
-            epsilon = self.epsilon * variance_correction if self.adaptive_epsilon else self.epsilon
-            velocity = tf.convert_to_tensor(v if v_hat is None else v_hat)
-            return (tf.convert_to_tensor(m) * tf.cast(alpha, m.dtype)) / (tf.sqrt(velocity) + epsilon)
+        return tf.cond(self.warm(step), adam, one_bit_adam)

@@ -166,8 +166,6 @@ class GradientExchange(tf.Module):
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
         #: 1-bit Adam's side of the worker (adam.py), or None
-        self.adam = (AdamMomentumInFront(adam, [variables[i] for i in self.layout.compressed], self.warmup_steps)
-                     if one_bit_adam else None)
         object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
         object.__setattr__(self, "_holder", holder or self)
         object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
@@ -179,6 +177,9 @@ class GradientExchange(tf.Module):
         # The step the warm-up counts: the optimizer's, else this exchange's own (not tracked here).
         object.__setattr__(self, "_step_variable",
                            getattr(self._holder, "iterations", None) if self.own_steps is None else self.own_steps)
+        self.adam = (AdamMomentumInFront(adam, [variables[i] for i in self.layout.compressed], self.warmup_steps,
+                                         self._state_variable(StateSpec("adam_variance_steps", (), REPLICATED), None))
+                     if one_bit_adam else None)
         # dist-EF-SGD's residuals follow the learning rate (_residual_scale): the last step's rate.
         self.previous_learning_rate = (self._state_variable(StateSpec("previous_learning_rate", (), REPLICATED), None)
                                        if self.direct_update and self.adam is None else None)
@@ -195,6 +196,9 @@ class GradientExchange(tf.Module):
             raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
                              "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
                              "warmup_steps >= 1, or None for 1 / (1 - beta_2) steps.")
+        if self.recall_totals is not None and self.warmup_steps:
+            raise ValueError("The recall metric is measured for sketched SGD without a warm-up: measure it in a run "
+                             "with warmup_steps=0.")
         if sgd and rule == EXCHANGE_FEEDBACK and self.warmup_steps:
             raise ValueError(f"{self.compression!r} under SGD keeps the momentum and the learning rate inside its "
                              "exchange, which a full-precision warm-up would bypass: use warmup_steps=0 with it.")
@@ -355,6 +359,7 @@ class GradientExchange(tf.Module):
             info = exchange.StepInfo(step, learning_rate if sgd_inside else None, momentum if sgd_inside else 0.0,
                                      nesterov, residual_scale=residual_scale)
             absent = {i for i, g in enumerate(grads) if g is None}
+            variance_steps = self.adam.count_variance_steps(step) if self.adam is not None else None
             with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
                 grads = [tf.identity(g) for g in self.prepare(grads)]
             out = list(grads)
@@ -380,7 +385,9 @@ class GradientExchange(tf.Module):
                     if isinstance(update, exchange.EncodedPart):  # decoded into the variable by exchange.subtract
                         out[i] = update
                     elif self.adam is not None:  # the averaged gradient (warm-up) or momentum -> Adam's step
-                        out[i] = tf.reshape(self.adam.delta(self.layout.slot[i], update, step, learning_rate), shape)
+                        if i not in absent:  # (else Adam's slots are left as they are, as Keras leaves them)
+                            out[i] = tf.reshape(self.adam.delta(self.layout.slot[i], update, step, learning_rate,
+                                                                variance_steps), shape)
                     else:
                         if self.op == hvd.Sum:
                             update = update * self.process_set.size()

@@ -172,8 +172,8 @@ class DistEFSGD:
 
 class OneBitAdam:
     """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
-    Adam on the mean gradient for warmup_steps steps, then the momentum exchanged by onebit with the
-    variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow computes Keras's
+    Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps exchanged
+    by onebit with the variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow computes Keras's
     x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
@@ -191,17 +191,22 @@ class OneBitAdam:
         self.t += 1
         if self.wd:
             x -= x * (self.wd * lr)
+        variance_step = np.float32(min(self.t, self.warmup_steps))
+        alpha = lr * np.sqrt(one - self.b2 ** variance_step) / (one - self.b1 ** np.float32(self.t))
         if self.t <= self.warmup_steps:
             g = np.add.accumulate(np.asarray(grads, np.float32), axis=0)[-1] * np.float32(1 / self.n)  # in rank order
             self.m += (g - self.m) * self.keep_1
             self.v += (np.square(g) - self.v) * self.keep_2
             self.v_hat = np.maximum(self.v_hat, self.v)
-            variance_step = np.float32(self.t)
-        else:
-            self.m = self.exchange([self.m + ((g - self.m) * self.keep_1 + e) for g, e in zip(grads, self.exchange.e)])
-            variance_step = np.float32(self.warmup_steps)
-        alpha = lr * np.sqrt(one - self.b2 ** variance_step) / (one - self.b1 ** np.float32(self.t))
-        x -= (self.m * np.float32(alpha)) / (np.sqrt(self.v_hat if self.amsgrad else self.v) + self.eps)
+            x -= (self.m * np.float32(alpha)) / self.preconditioner()
+            return
+        d = self.preconditioner()
+        mean = self.exchange([(self.m + (g - self.m) * self.keep_1) / d + e for g, e in zip(grads, self.exchange.e)])
+        self.m = mean * d
+        x -= mean * np.float32(alpha)
+
+    def preconditioner(self):
+        return np.sqrt(self.v_hat if self.amsgrad else self.v) + self.eps
 
 
 def _mix64(z):

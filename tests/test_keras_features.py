@@ -85,7 +85,8 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
     more of the movement is still in its residual (it moved 74% of the uncompressed exchange's): what
     it moved plus what its residual holds must equal the uncompressed movement. FetchSGD is held to
     the first check only: it loses mass by design, since zeroing an applied coordinate's cells also
-    erases what the other coordinates in those cells had accumulated (it moved 28% as far)."""
+    erases what the other coordinates in those cells had accumulated (it moved 28% as far). 1-bit AdamW
+    is held to the first check too: it is Adam, whose step does not follow the gradient's length."""
     results = features[0]["clipping"]
     for clip in ("clipnorm", "global_clipnorm"):
         uncompressed = results[f"{clip}/none"]["clipped"]
@@ -95,7 +96,7 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
             assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-3), (clip, method, got)
             if method == "sketch":  # nothing lost: the rest is in its residual
                 assert got["clipped_with_residual"] == pytest.approx(uncompressed, rel=1e-3), (clip, method, got)
-            elif method != "fetchsgd":
+            elif method not in ("fetchsgd", "onebit_adamw"):
                 assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
 
 

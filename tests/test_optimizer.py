@@ -7,13 +7,14 @@ from hvdrun import DIGITS_EPOCHS, KERASES, check_identical_per_world_size, check
 @pytest.mark.parametrize("launcher, keras, world_sizes", [("gloo", "tf_keras", [2, 3, 4]), ("mpi", "tf_keras", [2]),
                                                          ("gloo", "keras3", [2, 3])])
 def test_update_rules_match_the_numpy_reference_on_every_rank(launcher, keras, world_sizes):
-    """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch, the tape and quantize
-    (its exchanged gradient bit for bit at 8, 4 and 2 bits),
+    """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch, the tape, quantize
+    (its exchanged gradient bit for bit at 8, 4 and 2 bits) and 1-bit Adam and AdamW (bit for bit over the
+    warm-up and the compressed steps; a variable without a gradient keeps its Adam slots),
     over 6 graph-mode steps with a learning-rate drop, in either Keras, equal the NumPy
     reference; all ranks end bit-identical. The world sizes of a launch run one after another
     on process sets of its ranks."""
     results = run_ranks("update_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}", np=max(world_sizes),
-                        launcher=launcher, env=KERASES[keras])
+                        launcher=launcher, env=KERASES[keras], timeout=420)
     check_identical_per_world_size(results, world_sizes)
 
 
@@ -22,7 +23,8 @@ def digits_runs():
     """workers/train_digits.py on 2 ranks (Gloo, tf_keras) for DIGITS_EPOCHS, one launch for the
     module: the uncompressed baseline, every compressor (sketched SGD at 4x and 8x, FetchSGD at 4x), onebit under Adam
     and SGP. Per rank, {run: results}."""
-    runs = "none,onebit,onebit_oneway,quantize8,quantize4,topk,randomk,powersgd,sketch,sketch8,fetchsgd,onebit_adam,sgp"
+    runs = ("none,onebit,onebit_oneway,quantize8,quantize4,topk,randomk,powersgd,sketch,sketch8,fetchsgd,adam,onebit_adam,"
+            "sgp")
     # Under pytest's 600 s per test, which counts this set-up in the first test that asks.
     ranks = run_ranks("train_digits.py", f"--runs={runs}", f"--epochs={DIGITS_EPOCHS}", np=2, timeout=540)
     return [r["results"] for r in ranks]
@@ -101,13 +103,17 @@ def test_four_ranks_stay_identical():
     assert ranks[0]["results"]["onebit"]["accuracy"] > 0.85
 
 
-def test_plain_error_feedback_under_adam(digits_runs):
-    """Not dist-EF-SGD (that is for momentum SGD): EF on gradients, Adam on the mean. It learns,
-    more slowly than Adam itself (measured: 0.88 vs 0.95 after 8 epochs; run here for DIGITS_EPOCHS,
-    in the launch of the other runs)."""
-    results = [r["onebit_adam"] for r in digits_runs]
+def test_one_bit_adam_trains_as_adam_does(digits_runs):
+    """onebit under Adam is 1-bit Adam (40 full-precision steps, then Adam's momentum in 1 bit with the
+    variance frozen): within a point of uncompressed Adam, with 8x fewer bytes, identical ranks. (Sign
+    compression of the gradient under Adam, what onebit did before, reached 0.88 against Adam's 0.95 after 8
+    epochs.)"""
+    adam, results = digits_runs[0]["adam"], [r["onebit_adam"] for r in digits_runs]
+    print(f"digits, 2 ranks: 1-bit Adam {results[0]['accuracy']:.4f}, Adam {adam['accuracy']:.4f}")
     assert len({r["digest"] for r in results}) == 1
-    assert results[0]["accuracy"] > 0.8
+    assert results[0]["steps_checked"] == DIGITS_EPOCHS * 22
+    assert results[0]["accuracy"] >= adam["accuracy"] - 0.01
+    assert adam["bytes_per_step"] / results[0]["bytes_per_step"] >= 8
 
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])

@@ -25,10 +25,12 @@ RUNS = {
     "sketch8": ("sketch", dict(ratio=10), "sgd"),
     "fetchsgd": ("fetchsgd", dict(ratio=4.5), "sgd"),  # 4.1x too
     "powersgd": ("powersgd", {}, "sgd"),
-    "onebit_adam": ("onebit", {}, "adam"),  # plain error feedback under Adam
+    "adam": ("none", {}, "adam"),
+    "onebit_adam": ("onebit", {}, "adam"),  # 1-bit Adam, compressed after ADAM_WARMUP steps
     "sgp": ("sgp", {}, "sgd"),
 }
 define_list_of("runs", RUNS, ["none"], "Runs.")
+ADAM_WARMUP = 40  # of 22 steps an epoch
 flags.DEFINE_integer("epochs", 16, "Epochs of each run.")
 FLAGS = flags.FLAGS
 
@@ -52,7 +54,8 @@ def train(keras, broadcast, run, data):
     if run == "sgp":
         optimizer, callbacks = hc.PushSumOptimizer(inner), [Spread()]
     else:
-        optimizer = hc.DistributedOptimizer(inner, compression=hc.methods.compression(method, **overrides))
+        optimizer = hc.DistributedOptimizer(inner, compression=hc.methods.compression(method, **overrides),
+                                            warmup_steps=ADAM_WARMUP if inner_name == "adam" else None)
         callbacks = [identical, hc.callbacks.CompressionMetrics(recall=run.startswith("sketch"))]
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

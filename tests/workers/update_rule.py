@@ -17,7 +17,7 @@ from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
-flags.DEFINE_list("checks", ["world", "quantize", "adam"], "Which checks to run.")
+flags.DEFINE_list("rules", ["world", "quantize", "adam"], "Which groups of update rules to check.")
 FLAGS = flags.FLAGS
 SHAPE, DENSE, MU = (60, 50), 10, 0.9
 BOUNDARIES, RATES = [2], [0.1, 0.05]
@@ -119,11 +119,14 @@ def reference_powersgd(compression, size, nesterov, schedule=None):
     return x
 
 
-def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps=WARMUP):
-    """1-bit Adam: hc's Adam (weight_decay > 0: AdamW) with `compression`; returns w, b."""
+def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps=WARMUP, with_unused=False):
+    """1-bit Adam: hc's Adam (weight_decay > 0: AdamW) with `compression`; returns w, b. with_unused: a third
+    variable in w's bucket has a gradient at the first step only; after it, it and its Adam slots must stay as they
+    were (no decay either), as Keras leaves a variable without a gradient."""
     keras = tf.keras
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
+    unused = tf.Variable(np.ones(SHAPE, np.float32), name="unused")
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
     inner = (keras.optimizers.AdamW(schedule, weight_decay=weight_decay, amsgrad=amsgrad) if weight_decay else
              keras.optimizers.Adam(schedule, amsgrad=amsgrad))
@@ -131,12 +134,23 @@ def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps
                                   name=f"hc.adam.n{process_set.size()}")
 
     @tf.function
-    def step(gw, gb):
-        opt.apply_gradients([(gw, w), (gb, b)])
+    def step(gw, gb, gu=None):
+        opt.apply_gradients([(gw, w), (gb, b)] + ([(gu, unused)] if with_unused else []))
+
+    def unused_state():
+        return [unused.numpy()] + [np.asarray(s) for s in opt.compression_exchange.adam.slots[1] if s is not None]
 
     for t in range(FLAGS.steps):
-        step(*map(tf.constant, grads_of(process_set.rank(), t)))
-    assert opt.compression_exchange.adam is not None
+        gw, gb = grads_of(process_set.rank(), t)
+        step(tf.constant(gw), tf.constant(gb), tf.constant(gw) if with_unused and t == 0 else None)
+        if t == 0 and with_unused:
+            after_first = unused_state()
+    exchange_ = opt.compression_exchange
+    assert exchange_.adam is not None
+    if with_unused:
+        assert exchange_.layout.buckets == [[0, 2]], exchange_.layout.buckets
+        assert all(np.any(s) for s in after_first)
+        assert all(np.array_equal(a, b) for a, b in zip(after_first, unused_state()))
     return w.numpy().reshape(-1), b.numpy()
 
 
@@ -170,6 +184,7 @@ def check_adam(process_set, digests):
         uncompressed = reference_adam(size, weight_decay, 0, warmup_steps=FLAGS.steps)
         assert not np.allclose(w, uncompressed, rtol=1e-5, atol=1e-6), name  # the compressed steps show
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    run_adam(hc.Compression.onebit(), process_set, 0.05, with_unused=True)
 
 
 def run_tape(block_size, process_set):
@@ -369,7 +384,7 @@ def check_quantize(process_set, digests):
 def main(_):
     digests = {}
     for process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]]).values():
-        for check in FLAGS.checks:
+        for check in FLAGS.rules:
             {"world": check_world, "quantize": check_quantize, "adam": check_adam}[check](process_set, digests)
     report(hvd, digests=digests)
 
