@@ -42,6 +42,7 @@ flags.DEFINE_float("compression_warmup", 0.15, "Fraction of the steps at full pr
                    "refuses 0).")
 flags.DEFINE_float("topk_ratio", 0.01, "topk, randomk: the fraction of coordinates sent.")
 flags.DEFINE_integer("powersgd_rank", 4, "powersgd: the rank of each matrix's approximation.")
+flags.DEFINE_integer("block_size", 0, "onebit: elements per scale (0: one scale per tensor, hc.methods' default).")
 flags.DEFINE_integer("evaluations_per_epoch", 1, "Test evaluations per epoch (each one logged).")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights, dropout and shuffling.")
 flags.DEFINE_string("history", None, "Where rank 0 writes accuracy, bytes and the evaluations (JSON).")
@@ -55,7 +56,8 @@ def optimizer_for(keras, steps):
     if FLAGS.method.startswith("horovod_"):
         return hc.methods.distributed_optimizer(FLAGS.method, adamw)
     overrides = ({"ratio": FLAGS.topk_ratio} if FLAGS.method in ("topk", "randomk") else
-                 {"rank": FLAGS.powersgd_rank} if FLAGS.method == "powersgd" else {})
+                 {"rank": FLAGS.powersgd_rank} if FLAGS.method == "powersgd" else
+                 {"block_size": FLAGS.block_size} if FLAGS.method == "onebit" and FLAGS.block_size else {})
     return hc.methods.distributed_optimizer(FLAGS.method, adamw, overrides=overrides,
                                             warmup_steps=int(FLAGS.compression_warmup * steps))
 

@@ -34,8 +34,8 @@ from hvd_compress.compression import from_config as compression_from_config, to_
 from hvd_compress.gradient_exchange import (DEFAULT_FUSION_THRESHOLD_BYTES, DEFAULT_MIN_COMPRESS_SIZE,
                                             GradientExchange, refuse_two_way, variable_name)
 from hvd_compress.keras_compat import (WrapperCore, adam_classes, is_distributed, is_keras3, keras3, keras_of,
-                                       kerases_in_use, loss_scale_optimizer_classes, refuse_saved_process_set, refuse_wrapped,
-                                       register_loader, register_loaders, rewrapping, saved_process_set, sgd_classes,
+                                       kerases_in_use, loss_scale_optimizer_classes, refuse_saved_process_set,
+                                       refuse_wrapped, register_loader, register_loaders, rewrapping, saved_process_set, sgd_classes,
                                        tf_keras, wrap_in_place)
 from hvd_compress.state import safe_name
 
@@ -321,7 +321,7 @@ def warn_momentum_in_front_under_other_optimizers(optimizer, compression):
     """onebit and sketched SGD have a rule for SGD (momentum in front) and for Adam and AdamW (1-bit
     Adam); under any other optimizer they compress the gradient with error feedback, and an adaptive
     optimizer's statistics are then built from compressed gradients: the failure 1-bit Adam exists for
-    (the gradient's signs under AdamW lost 6.7 points on the transformer, docs/algorithms.md). Said once,
+    (the gradient's signs under AdamW lost 21 points on the transformer, docs/algorithms.md). Said once,
     on rank 0, when the optimizer is wrapped."""
     if (compression.update_rule != MOMENTUM_IN_FRONT or isinstance(optimizer, sgd_classes() + adam_classes())
             or (hvd.is_initialized() and hvd.rank() != 0)):

@@ -31,7 +31,8 @@ KERASES = {"tf_keras": {"TF_USE_LEGACY_KERAS": "1"}, "keras3": {"TF_USE_LEGACY_K
 METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powersgd", "sketch", "fetchsgd",
            "sgp"]
 #: One method per kind of state: onebit's server-residual shards, top-k's per-rank residual,
-#: PowerSGD's replicated Q, SGP's PushSum weight, 1-bit AdamW's exchanged momentum in Keras's own slots. The smoke subset on the second Keras (where a test
+#: PowerSGD's replicated Q, SGP's PushSum weight, 1-bit AdamW's exchanged momentum in Keras's own slots.
+#: The smoke subset on the second Keras (where a test
 #: runs every method in tf_keras, Keras 3 runs these; all of them pass through the same Keras 3
 #: entry, and every method's update rule is checked in both Kerases, test_optimizer.py), and the
 #: methods resumed at another world size.

@@ -173,8 +173,8 @@ class DistEFSGD:
 class OneBitAdam:
     """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
     Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps exchanged
-    by onebit with the variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow computes Keras's
-    x - x * wd * lr in); amsgrad: the largest v so far divides."""
+    by onebit with the variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow
+    computes Keras's x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
                  block_size=None, two_way=True, amsgrad=False):
