@@ -35,8 +35,8 @@ from hvd_compress.gradient_exchange import (DEFAULT_FUSION_THRESHOLD_BYTES, DEFA
                                             GradientExchange, refuse_two_way, variable_name)
 from hvd_compress.keras_compat import (WrapperCore, adam_classes, is_distributed, is_keras3, keras3, keras_of,
                                        kerases_in_use, loss_scale_optimizer_classes, refuse_saved_process_set,
-                                       refuse_wrapped, register_loader, register_loaders, rewrapping, saved_process_set, sgd_classes,
-                                       tf_keras, wrap_in_place)
+                                       refuse_wrapped, register_loader, register_loaders, rewrapping, saved_process_set,
+                                       sgd_classes, tf_keras, wrap_in_place)
 from hvd_compress.state import safe_name
 
 #: hvd reductions a model file names
@@ -306,6 +306,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
     refuse_sparse_updates_to_factored_moments(optimizer, exchange_.compression)
     warn_momentum_in_front_under_other_optimizers(optimizer, exchange_.compression)
+    warn_measured_losses_under_adam(optimizer, exchange_.compression)
     settings = dict(name=name, compression=exchange_.compression, sparse_as_dense=sparse_as_dense,
                     gradient_predivide_factor=gradient_predivide_factor, op=op,
                     backward_passes_per_step=backward_passes_per_step,
@@ -331,6 +332,16 @@ def warn_momentum_in_front_under_other_optimizers(optimizer, compression):
                 "built from compressed gradients, which loses accuracy. Use SGD, Adam or AdamW with it, or "
                 "Compression.quantize() or Compression.powersgd() with %s.", compression, type(optimizer).__name__,
                 type(optimizer).__name__)
+
+
+def warn_measured_losses_under_adam(optimizer, compression):
+    """What a compressor measured under Adam and AdamW where it loses accuracy there (its `under_adam`),
+    said once, on rank 0, when it wraps one."""
+    note = getattr(compression, "under_adam", None)
+    if note and isinstance(optimizer, adam_classes()) and not (hvd.is_initialized() and hvd.rank() != 0):
+        log.warning("hvd_compress: under %s, %s. Compression.onebit() (1-bit Adam) and Compression.quantize(bits=8) "
+                    "kept AdamW's accuracy there; else give a larger ratio or rank and warmup_steps= "
+                    "(docs/algorithms.md, 'Which compression under which optimizer').", type(optimizer).__name__, note)
 
 
 def refuse_sparse_updates_to_factored_moments(optimizer, compression):

@@ -256,3 +256,23 @@ def test_powersgd_without_warm_start_draws_a_fresh_shared_q():
     assert exchange.low_rank_q == []  # no state kept for Q
     np.testing.assert_allclose(kernel.numpy(), -gradient.numpy(), rtol=1e-4, atol=1e-3)
     assert float(exchange.residual_norm()) < 1e-5 * float(tf.norm(gradient))
+
+
+def test_compressions_measured_to_lose_accuracy_under_adam_say_so_when_they_wrap_it(caplog):
+    """top-k, random-k and PowerSGD lost points under AdamW on the transformer: wrapping Adam or AdamW with
+    them logs what was measured and what kept the accuracy; SGD, and onebit (1-bit Adam) under AdamW, log nothing."""
+    import keras as keras3
+    for keras_ in (keras, keras3):
+        for compression in (hc.Compression.topk(ratio=0.01), hc.Compression.randomk(ratio=0.01),
+                            hc.Compression.powersgd()):
+            for optimizer in (keras_.optimizers.Adam(0.01), keras_.optimizers.AdamW(0.01)):
+                caplog.clear()
+                with caplog.at_level("WARNING", logger="hvd_compress"):
+                    hc.DistributedOptimizer(optimizer, compression=compression)
+                assert "lost" in caplog.text and "1-bit Adam" in caplog.text, (compression, optimizer)
+        for optimizer, compression in ((keras_.optimizers.SGD(0.1), hc.Compression.topk(ratio=0.01)),
+                                       (keras_.optimizers.AdamW(0.01), hc.Compression.onebit())):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="hvd_compress"):
+                hc.DistributedOptimizer(optimizer, compression=compression)
+            assert caplog.text == "", (compression, optimizer)
