@@ -8,7 +8,7 @@ every rank runs plain Adam on the full-precision mean gradient; then v is frozen
 exchange Adam's momentum, compressed with error feedback. With t = the optimizer's step + 1,
 m and v Adam's replicated slots, b1, b2, eps its hyperparameters:
 
-    t <= T_w:  g = mean_i g_i (float32 allreduce)
+    t <= T_w:  g = mean_i g_i (float32, summed in rank order: exchange.OrderedMean)
                m = m + (g - m)(1 - b1);   v = v + (g^2 - v)(1 - b2)   (amsgrad: v^ = max(v^, v))
                x = x - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
     t >  T_w:  d = sqrt(v) + eps (v frozen);   a_i = (m + (g_i - m)(1 - b1)) / d + e_i
@@ -27,9 +27,9 @@ The variance's bias correction stays with v at the steps it averaged (T_w; `vari
 so a resume keeps it; where compression starts on an Adam that trained before without this warm-up, the
 optimizer's step count then), so the step is continuous at the switch;
 AdamW's decoupled weight decay, x = x - lr wd x, comes first, as Keras applies it; `lr` is the
-schedule's rate of this step. Both branches are Keras's Adam update written out (tf_keras's
-adaptive_epsilon too), on the slots Keras created, so model files, broadcasts and other world
-sizes carry m, v and the step; the residuals e_i (per rank) and e_s (sharded) are checkpoints'.
+schedule's rate of this step. The warm-up branch is Keras's Adam update written out (tf_keras's
+adaptive_epsilon too); both work on the slots Keras created, so model files, broadcasts and other
+world sizes carry m, v and the step; the residuals e_i (per rank) and e_s (sharded) are checkpoints'.
 """
 import tensorflow as tf
 
