@@ -116,8 +116,8 @@ def run_example(script, ranks, flags, timeout=1200):
 
 # -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------
 def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
-    """Runs `argv --result=<file>` as every rank of net (a netns.Network), each in its own namespace;
-    returns the JSON each rank wrote to its file, ordered by rank.
+    """Runs `argv --result=<file>` as every rank of net (a netns.Network), each in its host's
+    namespace; returns the JSON each rank wrote to its file, ordered by rank.
 
     No horovodrun: this starts Horovod's own RendezvousServer (bound to all addresses; the ranks
     reach it at net.server_address), gives each rank the HOROVOD_* variables that horovodrun's Gloo
@@ -133,7 +133,7 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
     from horovod.runner.http.http_server import RendezvousServer
 
     n = net.num_ranks
-    plan = get_host_assignments(parse_hosts(",".join(f"{h}:1" for h in net.hostnames)), n)
+    plan = get_host_assignments(parse_hosts(net.slots), n)
     server = RendezvousServer(verbose=0)
     port = server.start()
     server.init(plan)

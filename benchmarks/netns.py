@@ -1,13 +1,21 @@
-"""A shaped network for N local ranks: one network namespace per rank on a Linux bridge.
+"""A shaped network of local hosts: one network namespace per host on a Linux bridge, each host
+running one or several ranks.
 
-    root namespace                      namespace hc-wire-<i> (rank i, host "hc-ns<i>")
-    bridge hcw-br 10.77.0.1/24 --- hcw-h<i> ====veth==== hcw-eth 10.77.0.(10+i)/24
+    root namespace                      namespace hc-wire-<h> (host h, "hc-ns<h>": its ranks)
+    bridge hcw-br 10.77.0.1/24 --- hcw-h<h> ====veth==== hcw-eth 10.77.0.(10+h)/24
           (the launcher and its          tbf <rate>       tbf <rate>
            rendezvous server)
 
-Every rank's link is shaped in both directions (the egress of both veth ends)
+A layout says how many ranks each host runs (`parse_layout`: "4x1" is four hosts of one rank, "2x2"
+two hosts of two, "3+2" a host of three and one of two). The ranks of one host share its namespace,
+so they reach each other over its loopback (unshaped, not counted on the veth) and the other hosts
+through its one veth: they share its rate, as the GPUs of a server share its network card. Ranks
+are numbered host by host, as Horovod's launcher assigns them (`host_of`), so Horovod's
+local_rank, local_size, cross_rank and cross_size are those of the real layout.
+
+Every host's link is shaped in both directions (the egress of both veth ends)
 with a token bucket: `tc qdisc add dev <veth> root tbf rate <rate> burst <B>
-latency 50ms`, so each rank uploads and downloads at <rate> at most, like a
+latency 50ms`, so each host uploads and downloads at <rate> at most, like a
 host on a switch port. B = max(4 ms of traffic at the rate, 64 KiB): the bucket
 must hold the largest packet (the veths keep MTU 1500 and their segmentation
 offloads, so TCP hands over up to 64 KiB at once), and a few milliseconds of
@@ -28,9 +36,10 @@ Every namespace sets net.ipv4.tcp_no_metrics_save=1, so each job starts from a
 clean TCP state, not from what the previous job's connections left cached.
 
 Each namespace gets /etc/netns/<ns>/hosts (bind-mounted over /etc/hosts by
-`ip netns exec`) that resolves every rank's hostname to its address, and
-`command()` starts a rank under `unshare --uts` so that it can set its own
-hostname: Horovod's Gloo contexts bind the address their hostname resolves to.
+`ip netns exec`) that resolves every host's name to its address, and
+`command()` starts a rank under `unshare --uts` so that it can set its host's
+name: Horovod's Gloo contexts bind the address their hostname resolves to (the
+ranks of one host bind the same address, on ports of their own).
 
 Only root can do this; `check_rights()` says why not, else None. `Network` is
 a context manager that removes everything it made (namespaces and the
@@ -50,13 +59,36 @@ import subprocess
 
 PREFIX = "hc-wire-"  # namespaces; leftovers with this prefix are removed
 BRIDGE = "hcw-br"
-HOST_VETH = "hcw-h{}"  # bridge-side end of rank i's link (root namespace)
+HOST_VETH = "hcw-h{}"  # bridge-side end of host h's link (root namespace)
 IFACE = "hcw-eth"  # namespace-side end, the same name in every namespace
 SUBNET = ipaddress.ip_network("10.77.0.0/24")
 BRIDGE_ADDRESS = "10.77.0.1"
 LOCK = pathlib.Path("/run/hc-wire.lock")
 ETC_NETNS = pathlib.Path("/etc/netns")
 LATENCY = "50ms"  # tbf queue: at most this much traffic waits, the rest is dropped
+
+
+def parse_layout(text):
+    """Ranks per host from "HxL" (H hosts of L ranks), "a+b+..." (hosts of a, b, ... ranks) or "N"
+    (N hosts of one rank each, the layout of one rank per machine)."""
+    text = str(text).strip().lower()
+    try:
+        if "x" in text:
+            hosts, ranks = (int(t) for t in text.split("x"))
+            counts = [ranks] * hosts
+        else:
+            counts = [int(t) for t in text.split("+")] if "+" in text else [1] * int(text)
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"a host layout looks like 2x2 (2 hosts of 2 ranks), 3+2 (hosts of 3 and 2 ranks) "
+                         f"or 4 (4 hosts of one rank), got {text!r}.")
+    return counts
+
+
+def layout_name(counts):
+    """"2x2" for hosts of equal rank counts, else "3+2"."""
+    return f"{len(counts)}x{counts[0]}" if len(set(counts)) == 1 else "+".join(map(str, counts))
 
 
 def rate_bits(rate):
@@ -125,26 +157,37 @@ def remove_all():
 
 
 class Network:
-    """`num_ranks` namespaces joined by links shaped to `rate`; see the module docstring.
+    """Hosts in namespaces joined by links shaped to `rate`; see the module docstring. `hosts`: a
+    layout (parse_layout's text or its list of ranks per host), or a number N of one-rank hosts.
 
-        with Network(2, "100mbit") as net:
+        with Network("2x2", "1gbit") as net:
             subprocess.Popen(net.command(rank, [python, script, ...]), env=...)
     """
 
-    def __init__(self, num_ranks, rate, slow_start_after_idle=True):
-        if not 1 <= num_ranks <= 200:
-            raise ValueError(f"num_ranks must be 1..200, got {num_ranks}.")
-        self.num_ranks, self.rate, self.burst = num_ranks, rate, burst_bytes(rate)
+    def __init__(self, hosts, rate, slow_start_after_idle=True):
+        self.ranks_per_host = parse_layout(hosts) if not isinstance(hosts, list) else list(hosts)
+        if not 1 <= len(self.ranks_per_host) <= 200:
+            raise ValueError(f"a network has 1..200 hosts, got {len(self.ranks_per_host)}.")
+        self.layout = layout_name(self.ranks_per_host)
+        self.num_hosts, self.num_ranks = len(self.ranks_per_host), sum(self.ranks_per_host)
+        #: the host of each rank, ranks numbered host by host (Horovod's launcher's order)
+        self.host_of = [h for h, count in enumerate(self.ranks_per_host) for _ in range(count)]
+        self.rate, self.burst = rate, burst_bytes(rate)
         self.slow_start_after_idle = slow_start_after_idle
-        self.namespaces = [f"{PREFIX}{i}" for i in range(num_ranks)]
-        self.hostnames = [f"hc-ns{i}" for i in range(num_ranks)]
-        self.addresses = [str(SUBNET[10 + i]) for i in range(num_ranks)]
+        self.namespaces = [f"{PREFIX}{h}" for h in range(self.num_hosts)]
+        self.hostnames = [f"hc-ns{h}" for h in range(self.num_hosts)]
+        self.addresses = [str(SUBNET[10 + h]) for h in range(self.num_hosts)]
         self.server_address, self.iface = BRIDGE_ADDRESS, IFACE
         self._lock = None
 
+    @property
+    def slots(self):
+        """The layout as horovodrun's -H takes it: "hc-ns0:2,hc-ns1:2"."""
+        return ",".join(f"{name}:{count}" for name, count in zip(self.hostnames, self.ranks_per_host))
+
     def command(self, rank, argv):
-        """argv run as rank `rank`: inside its namespace, in a UTS namespace of its own."""
-        return ["ip", "netns", "exec", self.namespaces[rank], "unshare", "--uts", "--", *argv]
+        """argv run as rank `rank`: inside its host's namespace, in a UTS namespace of its own."""
+        return ["ip", "netns", "exec", self.namespaces[self.host_of[rank]], "unshare", "--uts", "--", *argv]
 
     def __enter__(self):
         self._lock = open(LOCK, "w")
@@ -196,8 +239,8 @@ class Network:
         _run("ip", "link", "set", BRIDGE, "up")
         hosts = "127.0.0.1 localhost\n" + "".join(
             f"{address} {hostname}\n" for address, hostname in zip(self.addresses, self.hostnames))
-        for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses)):
-            host_veth = HOST_VETH.format(i)
+        for h, (ns, address) in enumerate(zip(self.namespaces, self.addresses)):
+            host_veth = HOST_VETH.format(h)
             (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
             (ETC_NETNS / ns / "hosts").write_text(hosts)
             _run("ip", "netns", "add", ns)
@@ -212,5 +255,5 @@ class Network:
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1")
             if not self.slow_start_after_idle:  # keep cwnd across the compute gaps between steps
                 _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
-            self._shape("dev", host_veth)  # bridge -> rank i (its download)
-            self._shape("-n", ns, "dev", IFACE)  # rank i -> bridge (its upload)
+            self._shape("dev", host_veth)  # bridge -> host h (its download)
+            self._shape("-n", ns, "dev", IFACE)  # host h -> bridge (its upload)

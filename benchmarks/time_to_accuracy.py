@@ -1,12 +1,14 @@
-"""Wall-clock time to a test accuracy on a real shaped link: N ranks, each in its own network namespace.
+"""Wall-clock time to a test accuracy on a real shaped link: N ranks, each a host in its own network
+namespace, or hosts of several ranks (--hosts=2x2).
 
     sudo .venv/bin/python benchmarks/time_to_accuracy.py           # the transformer: 1gbit,10gbit x 2 ranks
     sudo .venv/bin/python benchmarks/time_to_accuracy.py --task=digits --ranks=2,4   # the wide MLP on digits, SGD
+    sudo .venv/bin/python benchmarks/time_to_accuracy.py --task=digits --hosts=2x2 --rates=1gbit
 
 Needs root (it exits with status 2 and says why otherwise). The network and
-the launching are wire.py's: for every rate and number of ranks N,
-netns.Network(N, rate) gives rank i its own namespace and a veth shaped to the
-rate in both directions, and launch.run_in_namespaces starts the ranks through
+the launching are wire.py's: for every rate and host layout (--ranks=N: N hosts
+of one rank; --hosts: wire.py's layouts), netns.Network(layout, rate) gives each
+host its own namespace and a veth shaped to the rate in both directions, and launch.run_in_namespaces starts the ranks through
 Horovod's RendezvousServer with a hard timeout per job (--timeout). The
 methods are wire.make_optimizer's, by hc.methods' names (horovod_fp32 and
 horovod_fp16 are Horovod's own DistributedOptimizer; none (the same fp32
@@ -14,7 +16,7 @@ allreduce in hvd_compress's wrapper, whose SGD update runs in fused kernels, as
 in every hc method: it separates that from what compression buys), fp16,
 onebit (two-way), topk (1%) and powersgd (rank 4) hvd_compress's; any other of
 wire.METHODS, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
---methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
+--hosts, --methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
 
@@ -212,12 +214,12 @@ def run(net, method):
             f"--epochs={setting('epochs')}", f"--compression_warmup={FLAGS.compression_warmup}",
             f"--max_seconds={FLAGS.max_seconds}", f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}",
             f"--batch_size={FLAGS.batch_size}"]
-    ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.num_ranks} ranks at {net.rate}")
+    ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}")
     # The first step is counted as the median step of the slowest rank, not as its tracing time.
     first_step = max(r["median_step_s"] for r in ranks)
     curve = [dict(step=step, seconds=clock + (first_step if step else 0.0), accuracy=accuracy)
              for step, clock, accuracy in ranks[0]["curve"]]
-    return dict(rate=net.rate, ranks=net.num_ranks, method=method, task=FLAGS.task, sustained=FLAGS.sustained,
+    return dict(rate=net.rate, ranks=net.num_ranks, layout=net.layout, method=method, task=FLAGS.task, sustained=FLAGS.sustained,
                 params=ranks[0]["params"], curve=curve,
                 final_accuracy=curve[-1]["accuracy"], steps=ranks[0]["steps"], seconds=curve[-1]["seconds"],
                 median_step_s=first_step, accounted=statistics.fmean(r["accounted"] for r in ranks),
@@ -238,7 +240,7 @@ def add_time_to_target(runs):
     """Adds target, seconds_to_target and steps_to_target (None where it was never reached) to every
     run, and vs_<reference> and vs_fp32 (against horovod_fp32): their seconds to target / this one's,
     measured in the same network (None where either never reached it or did not run)."""
-    network = lambda r: (r["rate"], r["ranks"])  # noqa: E731
+    network = lambda r: (r["rate"], wire.layout_of(r))  # noqa: E731
     for r in runs:
         same = {x["method"]: x for x in runs if network(x) == network(r)}
         r["target"] = same[FLAGS.reference]["final_accuracy"] - FLAGS.margin
@@ -255,33 +257,33 @@ def add_time_to_target(runs):
 
 def print_table(rate, runs):
     print(f"\n### {rate}\n")
-    for n in sorted({r["ranks"] for r in runs}):
-        target = next(r["target"] for r in runs if r["ranks"] == n)
-        print(f"- {n} ranks: target {target:.4f} = {FLAGS.reference}'s final test accuracy - {FLAGS.margin}")
-    print(f"\n| n | method | seconds to target | vs {launch.label(FLAGS.reference)} | vs {launch.label('horovod_fp32')} "
+    for layout in dict.fromkeys(map(wire.layout_of, runs)):
+        target = next(r["target"] for r in runs if wire.layout_of(r) == layout)
+        print(f"- hosts {layout}: target {target:.4f} = {FLAGS.reference}'s final test accuracy - {FLAGS.margin}")
+    print(f"\n| hosts | method | seconds to target | vs {launch.label(FLAGS.reference)} | vs {launch.label('horovod_fp32')} "
           "| steps to target | final accuracy | steps | median step ms | accounted bytes/step |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     for r in runs:
         reached = r["seconds_to_target"] is not None
         seconds, steps = (f"{r['seconds_to_target']:.1f}", r["steps_to_target"]) if reached else ("never", "-")
-        print(f"| {r['ranks']} | {r['method']} | {seconds} | {ratio(r[f'vs_{FLAGS.reference}'])} "
+        print(f"| {wire.layout_of(r)} | {r['method']} | {seconds} | {ratio(r[f'vs_{FLAGS.reference}'])} "
               f"| {ratio(r['vs_fp32'])} | {steps} | {r['final_accuracy']:.4f} | {r['steps']} "
               f"| {1000 * r['median_step_s']:.0f} | {r['accounted']:,.0f} |")
 
 
 def plot(runs, path):
-    groups = sorted({(r["rate"], r["ranks"]) for r in runs}, key=lambda g: (netns.rate_bits(g[0]), g[1]))
+    groups = sorted({(r["rate"], wire.layout_of(r)) for r in runs}, key=lambda g: (netns.rate_bits(g[0]), g[1]))
     fig, axes = results.figure(len(groups))
-    for ax, (rate, n) in zip(getattr(axes, "flat", [axes]), groups):
-        group = [r for r in runs if (r["rate"], r["ranks"]) == (rate, n)]
+    for ax, (rate, layout) in zip(getattr(axes, "flat", [axes]), groups):
+        group = [r for r in runs if (r["rate"], wire.layout_of(r)) == (rate, layout)]
         for r in group:
             ax.plot([p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], marker=".",
                     markersize=3, label=r["method"])
         target = group[0]["target"]
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:.3f}")
         ax.set(xlabel="training seconds (evaluation not counted)", ylabel="test accuracy",
-               ylim=(min(0.8, target - 0.05), 1.0), title=f"{rate}, {n} ranks")
+               ylim=(min(0.8, target - 0.05), 1.0), title=f"{rate}, hosts {layout}")
         ax.legend(fontsize=8)
     results.save_figure(fig, path)
 
@@ -294,16 +296,17 @@ def main(_):
     if FLAGS.task == "digits" and (len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10"):
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
                  f"got {FLAGS.layers}.")
+    network_layouts = wire.layouts()
     launch.prepare_network_run("time_to_accuracy.py", FLAGS.rates)
     quiet = launch.load_before()
     runs = []
     for rate in FLAGS.rates:
-        for n in map(int, FLAGS.ranks):
-            with netns.Network(n, rate, FLAGS.slow_start_after_idle) as net:
+        for layout in network_layouts:
+            with netns.Network(layout, rate, FLAGS.slow_start_after_idle) as net:
                 for method in methods:
                     runs.append(run(net, method))
                     r = runs[-1]
-                    print(f"{rate} n={n} {method}: test accuracy {r['final_accuracy']:.4f} after {r['steps']} steps, "
+                    print(f"{rate} {net.layout} {method}: test accuracy {r['final_accuracy']:.4f} after {r['steps']} steps, "
                           f"{r['seconds']:.1f} s of training (median step {1000 * r['median_step_s']:.0f} ms, "
                           f"accounted {r['accounted']:,.0f} B/step)", flush=True)
     add_time_to_target(runs)
@@ -329,7 +332,8 @@ def describe(r):
 
 
 def command_line():
-    return launch.command_line(__file__, task=FLAGS.task, rates=FLAGS.rates, ranks=FLAGS.ranks, methods=FLAGS.methods,
+    layout = dict(hosts=FLAGS.hosts) if FLAGS.hosts else dict(ranks=FLAGS.ranks)
+    return launch.command_line(__file__, task=FLAGS.task, rates=FLAGS.rates, **layout, methods=FLAGS.methods,
                                layers=FLAGS.layers, lr=setting("lr"), epochs=setting("epochs"),
                                compression_warmup=FLAGS.compression_warmup, max_seconds=FLAGS.max_seconds,
                                eval_every=setting("eval_every"), sustained=FLAGS.sustained,
@@ -341,12 +345,13 @@ def command_line():
 
 
 def render(runs):
-    """One number of ranks' runs as docs/benchmarks.md shows them: every link, ratios taken in the same network."""
+    """One host layout's runs as docs/benchmarks.md shows them: every link, ratios taken in the same network."""
     reference = next(key[3:] for key in runs[0] if key.startswith("vs_") and key != "vs_fp32")
     name = launch.label(reference)
     targets = "; ".join(f"{rate}: {r['target']:.4f}" for rate, r in {r["rate"]: r for r in runs}.items())
     r0 = runs[0]
-    note = (f"{r0['ranks']} ranks, {describe(r0)}. Target: {name}'s final test accuracy less the margin "
+    hosts = "" if wire.layout_of(r0).endswith("x1") else f" on hosts {wire.layout_of(r0)} (sharing a host's link)"
+    note = (f"{r0['ranks']} ranks{hosts}, {describe(r0)}. Target: {name}'s final test accuracy less the margin "
             f"({targets}). Seconds: the slowest rank's training clock at the first evaluation where the mean of the "
             f"last {r0.get('sustained', 1)} evaluations reaches the target.")
     rows = []
@@ -364,10 +369,13 @@ def render(runs):
 
 
 def publish(runs):
-    """The table of each number of ranks in docs/benchmarks.md: time_to_accuracy_<task>_<n>ranks."""
-    for n in dict.fromkeys(r["ranks"] for r in runs):
-        results.publish(f"time_to_accuracy_{runs[0].get('task', 'digits')}_{n}ranks",
-                        render([r for r in runs if r["ranks"] == n]), results.command_line(), source=FLAGS.out)
+    """The table of each host layout in docs/benchmarks.md: time_to_accuracy_<task>_<n>ranks for n hosts of one
+    rank, time_to_accuracy_<task>_hosts_<HxL> for hosts of several."""
+    for layout in dict.fromkeys(map(wire.layout_of, runs)):
+        mine = [r for r in runs if wire.layout_of(r) == layout]
+        name = f"{mine[0]['ranks']}ranks" if layout.endswith("x1") else f"hosts_{layout}"
+        results.publish(f"time_to_accuracy_{runs[0].get('task', 'digits')}_{name}", render(mine),
+                        results.command_line(), source=FLAGS.out)
 
 
 def per_task_paths(argv):

@@ -2,12 +2,16 @@
 
     sudo .venv/bin/python benchmarks/wire.py                         # 100mbit,1gbit,10gbit x 2,4 ranks
     .venv/bin/python benchmarks/wire.py --rates=100mbit --ranks=2 --models=mlp25m --methods=horovod_fp32,horovod_fp16,onebit
+    .venv/bin/python benchmarks/wire.py --hosts=2x2 --rates=1gbit,10gbit --models=mlp25m   # 2 hosts of 2 ranks
 
 Needs root (it exits with status 2 and says why otherwise). For every rate and
-number of ranks N it builds netns.Network(N, rate): rank i runs in namespace
-hc-wire-<i> as host hc-ns<i> (local_size 1, cross_size N), its only link a
-veth to a bridge in the root namespace, shaped to the rate in both directions
-(see netns.py). No horovodrun: this launcher starts Horovod's own
+layout it builds netns.Network(layout, rate): with --ranks=N, N hosts of one
+rank (rank i runs in namespace hc-wire-<i> as host hc-ns<i>: local_size 1,
+cross_size N); with --hosts=HxL (or a+b, see netns.parse_layout), H hosts of L
+ranks, the ranks of a host in one namespace, talking to each other over its
+loopback and sharing its one link (local_size L, cross_size H). Each host's
+only link is a veth to a bridge in the root namespace, shaped to the rate in
+both directions (see netns.py). No horovodrun: this launcher starts Horovod's own
 RendezvousServer (bound to all addresses; the ranks reach it at the bridge's
 10.77.0.1), gives each rank the HOROVOD_* variables that horovodrun's Gloo
 launcher would (horovod.runner.gloo_run.create_run_env_vars and
@@ -15,9 +19,9 @@ create_slot_env_vars), and runs `ip netns exec hc-wire-<i> unshare --uts --
 python wire.py --role=worker ...` with a hard timeout per job.
 
 Each worker trains `--warmup` steps, then, between two tiny allreduce
-barriers, `--steps` timed steps, and reads its own interface's kernel counters
+barriers, `--steps` timed steps, and reads its host's interface's kernel counters
 (/sys/class/net/hcw-eth/statistics, visible to it inside its namespace)
-around them; then it idles `--idle_s` seconds, when only Horovod's own control
+around them (a host's link is counted once, by its local rank 0); then it idles `--idle_s` seconds, when only Horovod's own control
 traffic crosses the link (its background loop negotiates every cycle, about
 1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
 it TCP payload). Per model, N and method the table shows:
@@ -28,9 +32,11 @@ it TCP payload). Per model, N and method the table shows:
   accounting (hvd_compress: opt.compression_exchange.bytes_sent; SGP:
   opt.pushsum.bytes_sent; Horovod's fp32 / fp16 and our fp32 (none): the ring
   allreduce, 2 (n-1)/n of the 4- / 2-byte payload);
-- veth tx bytes/step: what left the rank's veth (mean over ranks), Ethernet,
-  IP and TCP headers included;
-- wire vs accounted: the TCP payload in those bytes (veth tx bytes minus
+- host link tx bytes/step: what left a host's veth (mean over hosts; with one rank per
+  host, the rank's own), Ethernet, IP and TCP headers included; every host's in the
+  row's per_host_tx_bytes;
+- wire vs accounted (hosts of one rank; with several, part of a rank's bytes stay on
+  its host): the TCP payload in those bytes (veth tx bytes minus
   14 + 20 + 20 + 12 (TCP timestamps) = 66 B per packet sent) / accounted - 1.
   What it adds to the accounting is Horovod's control traffic (per row:
   control_payload_per_step_est and control_vs_accounted_est, the idle rate
@@ -100,7 +106,9 @@ MODELS = [*MLPS, "digits_cnn"]
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher builds the network and starts the ranks.")
 flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc syntax), one table each.")
-flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks.")
+flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks, each a host of its own (--hosts replaces it).")
+flags.DEFINE_list("hosts", [], "Host layouts, e.g. 2x2 (2 hosts of 2 ranks sharing each host's link) or 3+2 "
+                  "(netns.parse_layout); when given, instead of --ranks.")
 flags.DEFINE_list("methods", METHODS, f"Methods, of {METHODS}.")
 flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
@@ -218,6 +226,8 @@ def worker():
     params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
     pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
+        local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
+        cross_size=hvd.cross_size(),
         inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
         step_ms=1000 * statistics.median(times), step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
@@ -231,54 +241,50 @@ def run_job(net, model, method):
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
-    return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.num_ranks} ranks",
+    return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
                                     inter_op_threads=FLAGS.inter_op_threads)
 
 
-def summarize(rate, model, method, ranks):
-    """One table row from the ranks' figures."""
-    mean = lambda key: statistics.fmean(r[key] for r in ranks)  # noqa: E731
-    payload = [r["tx_bytes"] - r["header_bytes"] * r["tx_packets"] for r in ranks]
+def summarize(rate, layout, model, method, ranks):
+    """One table row from the ranks' figures; the link counters are the hosts' (local rank 0's)."""
+    hosts = [r for r in ranks if r["local_rank"] == 0]
+    host_mean = lambda key: statistics.fmean(r[key] for r in hosts)  # noqa: E731
+    payload = [r["tx_bytes"] - r["header_bytes"] * r["tx_packets"] for r in hosts]
     # Horovod's control traffic in a step, estimated as its idle rate times the step time: the
     # background loop does not negotiate while it runs a collective (less), but each collective
     # adds its own negotiation (more).
     control = [(r["control"]["tx_bytes"] - r["header_bytes"] * r["control"]["tx_packets"])
-               * r["step_ms"] / 1000 for r in ranks]
-    accounted = mean("accounted")
+               * r["step_ms"] / 1000 for r in hosts]
+    accounted = statistics.fmean(r["accounted"] for r in ranks)
+    one_rank_hosts = len(hosts) == len(ranks)  # else part of a rank's bytes stay on its host
     return dict(
-        rate=rate, model=model, ranks=len(ranks), method=method, params=ranks[0]["params"],
-        step_ms=max(r["step_ms"] for r in ranks), accounted=accounted, fp32_allreduce=mean("fp32_allreduce"),
-        veth_tx_bytes=mean("tx_bytes"), veth_tx_packets=mean("tx_packets"), veth_rx_bytes=mean("rx_bytes"),
-        tcp_payload=statistics.fmean(payload), retrans_per_step=mean("retrans"),
-        control_tx_bytes_per_s=statistics.fmean(r["control"]["tx_bytes"] for r in ranks),
+        rate=rate, layout=layout, model=model, ranks=len(ranks), hosts=len(hosts), method=method,
+        params=ranks[0]["params"], step_ms=max(r["step_ms"] for r in ranks), accounted=accounted,
+        fp32_allreduce=statistics.fmean(r["fp32_allreduce"] for r in ranks),
+        veth_tx_bytes=host_mean("tx_bytes"), veth_tx_packets=host_mean("tx_packets"),
+        veth_rx_bytes=host_mean("rx_bytes"), per_host_tx_bytes=[r["tx_bytes"] for r in hosts],
+        tcp_payload=statistics.fmean(payload), retrans_per_step=host_mean("retrans"),
+        control_tx_bytes_per_s=statistics.fmean(r["control"]["tx_bytes"] for r in hosts),
         control_payload_per_step_est=statistics.fmean(control),
-        raw_vs_accounted=mean("tx_bytes") / accounted - 1,
-        wire_vs_accounted=statistics.fmean(payload) / accounted - 1,
+        raw_vs_accounted=host_mean("tx_bytes") / accounted - 1 if one_rank_hosts else None,
+        wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts else None,
         control_vs_accounted_est=statistics.fmean(control) / accounted,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads, per_rank=ranks)
 
 
-def print_table(rate, rows):
-    """One markdown table per rate; "vs Horovod fp32" / "vs Horovod fp16": their step over this one, in the
-    same run."""
-    print(f"\n### {rate}\n")
-    print(f"| model | n | method | step ms | {' | '.join(f'step vs {launch.label(b)}' for b in BASELINES)} "
-          "| accounted bytes/step | veth tx bytes/step | wire vs accounted | fp32 bytes / method bytes |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        def faster_than(method):
-            base = next((x for x in rows if x["model"] == r["model"] and x["ranks"] == r["ranks"]
-                         and x["method"] == method), None)
-            return f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
-
-        print(f"| {r['model']} | {r['ranks']} | {r['method']} | {r['step_ms']:.1f} | "
-              f"{' | '.join(faster_than(b) for b in BASELINES)} | {r['accounted']:,.0f} | {r['veth_tx_bytes']:,.0f} | "
-              f"{r['wire_vs_accounted']:+.2%} | {r['fp32_allreduce'] / r['accounted']:.1f}x |")
+def layouts():
+    """The host layouts to run: --hosts, else a host of one rank per rank for each of --ranks. Exits with
+    the reason on a layout netns.parse_layout does not read."""
+    try:
+        return [netns.layout_name(netns.parse_layout(h)) for h in FLAGS.hosts] or [f"{n}x1" for n in FLAGS.ranks]
+    except ValueError as e:
+        sys.exit(f"{pathlib.Path(sys.argv[0]).name}: --hosts: {e}")
 
 
 def command_line():
-    return launch.command_line(__file__, rates=FLAGS.rates, ranks=FLAGS.ranks, models=FLAGS.models,
+    layout = dict(hosts=FLAGS.hosts) if FLAGS.hosts else dict(ranks=FLAGS.ranks)
+    return launch.command_line(__file__, rates=FLAGS.rates, **layout, models=FLAGS.models,
                                methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
                                batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
                                inter_op_threads=FLAGS.inter_op_threads,
@@ -291,23 +297,26 @@ def main(_):
         return worker()
     launch.check_names("wire.py", "methods", FLAGS.methods, METHODS)
     launch.check_names("wire.py", "models", FLAGS.models, MODELS)
+    network_layouts = layouts()
     launch.prepare_network_run("wire.py", FLAGS.rates)
     quiet = launch.load_before()
     rows = []
     for rate in FLAGS.rates:
-        for n in map(int, FLAGS.ranks):
-            with netns.Network(n, rate, FLAGS.slow_start_after_idle) as net:
+        for layout in network_layouts:
+            with netns.Network(layout, rate, FLAGS.slow_start_after_idle) as net:
                 for model in FLAGS.models:
                     for method in FLAGS.methods:
-                        rows.append(summarize(rate, model, method, run_job(net, model, method)))
+                        rows.append(summarize(rate, net.layout, model, method, run_job(net, model, method)))
                         r = rows[-1]
-                        print(f"{rate} n={n} {model} {method}: step {r['step_ms']:.1f} ms, accounted "
-                              f"{r['accounted']:,.0f} B, veth tx {r['veth_tx_bytes']:,.0f} B "
-                              f"(TCP payload {r['wire_vs_accounted']:+.2%} vs accounted; Horovod's idle "
-                              f"control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s, would be "
-                              f"{r['control_vs_accounted_est']:+.2%} over a step)", flush=True)
+                        wire = ("" if r["wire_vs_accounted"] is None else
+                                f" (TCP payload {r['wire_vs_accounted']:+.2%} vs accounted)")
+                        print(f"{rate} {net.layout} {model} {method}: step {r['step_ms']:.1f} ms, accounted "
+                              f"{r['accounted']:,.0f} B, host link tx {r['veth_tx_bytes']:,.0f} B{wire}; Horovod's "
+                              f"idle control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s, would be "
+                              f"{r['control_vs_accounted_est']:+.2%} over a step", flush=True)
     for rate in FLAGS.rates:
-        print_table(rate, [r for r in rows if r["rate"] == rate])
+        print(f"\n### {rate}\n")
+        print(render([r for r in rows if r["rate"] == rate]))
     params = sorted({(r["model"], r["params"]) for r in rows})
     print(f"\nParameters: {', '.join(f'{model} {count:,}' for model, count in params)}. "
           f"Batch {FLAGS.batch_size} per rank, {FLAGS.steps} timed steps after {FLAGS.warmup}, "
@@ -319,37 +328,48 @@ def main(_):
     publish(rows)
 
 
+def layout_of(row):
+    """A row's host layout ("2x1" in files from before layouts: one rank per host)."""
+    return row.get("layout") or f"{row['ranks']}x1"
+
+
 def render(rows):
-    """One model's rows as docs/benchmarks.md shows them: every link and number of ranks, ratios to Horovod's fp32
-    and fp16 taken in the same run (same link, model and ranks)."""
+    """Rows as docs/benchmarks.md shows them: every link, layout and model, ratios to Horovod's fp32 and fp16
+    taken in the same run (same link, model and layout)."""
     # Horovod's own optimizers: horovod_fp32 / horovod_fp16; fp32 / fp16 in files from before hc.methods' names
     # (which called ours hc_fp32 / hc_fp16)
     old = bool({r["method"] for r in rows} & {"fp32", "hc_fp32", "hc_fp16"})
     horovod = {p: p if old else f"horovod_{p}" for p in ("fp32", "fp16")}
 
     def versus(r, method):
-        base = next((x for x in rows if (x["rate"], x["ranks"], x["method"]) == (r["rate"], r["ranks"], method)), None)
+        key = lambda x: (x["rate"], layout_of(x), x["model"], x["method"])  # noqa: E731
+        base = next((x for x in rows if key(x) == (*key(r)[:3], method)), None)
         return results.times(base["step_ms"] / r["step_ms"]) if base else "-"
 
     r0 = rows[0]
-    note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']} per rank; median step of the slowest "
+    models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
+    note = (f"{models}, batch {r0['batch_size']} per rank; median step of the slowest "
             f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
-            f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}.")
+            f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}. Hosts: HxL is H "
+            f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step.")
     table = results.markdown_table(
-        ["link", "n", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16", "accounted bytes/step",
-         "veth tx bytes/step", "wire vs accounted", "fp32 bytes / method bytes"],
-        [[r["rate"], r["ranks"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
-          versus(r, horovod["fp16"]),
-          results.count(r["accounted"]), results.count(r["veth_tx_bytes"]), f"{r['wire_vs_accounted']:+.2%}",
+        ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
+         "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "fp32 bytes / method bytes"],
+        [[r["rate"], layout_of(r), r["model"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
+          versus(r, horovod["fp16"]), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
+          "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
           f"{r['fp32_allreduce'] / r['accounted']:.1f}x"] for r in rows],
-        align=["l", "r", "l"] + ["r"] * 7)
+        align=["l", "l", "l", "l"] + ["r"] * 7)
     return f"{note}\n\n{table}"
 
 
 def publish(rows):
-    """The table of each model in docs/benchmarks.md: wire_<model>."""
+    """The table of each model in docs/benchmarks.md: wire_<model>, or wire_<model>_hosts where hosts run
+    several ranks."""
     for model in dict.fromkeys(r["model"] for r in rows):
-        results.publish(f"wire_{model}", render([r for r in rows if r["model"] == model]), results.command_line(),
+        mine = [r for r in rows if r["model"] == model]
+        several = any(r.get("hosts", r["ranks"]) < r["ranks"] for r in mine)
+        results.publish(f"wire_{model}_hosts" if several else f"wire_{model}", render(mine), results.command_line(),
                         source=FLAGS.out)
 
 

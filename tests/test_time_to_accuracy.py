@@ -34,7 +34,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{output}"
-    assert "| 2 | onebit |" in output and "Reproduce with:" in output
+    assert "| 2x1 | onebit |" in output and "Reproduce with:" in output
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert [line for line in listing.splitlines() if line.startswith(netns.PREFIX)] == []
     assert figure.stat().st_size > 0
@@ -42,7 +42,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     runs = {r["method"]: r for r in json.loads(out.read_text())}
     assert set(runs) == {"horovod_fp16", "onebit"}
     for r in runs.values():
-        assert r["hostnames"] == ["hc-ns0", "hc-ns1"] and r["rate"] == "10gbit" and r["ranks"] == 2
+        assert r["hostnames"] == ["hc-ns0", "hc-ns1"] and r["rate"] == "10gbit" and r["ranks"] == 2 and r["layout"] == "2x1"
         assert r["steps"] == r["steps_per_epoch"] == 1437 // 64  # the train split's shards of 32 per rank
         steps = [p["step"] for p in r["curve"]]
         assert steps == [0, *range(5, r["steps"] + 1, 5), *([r["steps"]] if r["steps"] % 5 else [])]

@@ -1,8 +1,10 @@
-"""benchmarks/wire.py on a real shaped link: 2 ranks in their own network namespaces at 1 Gbit/s.
+"""benchmarks/wire.py on a real shaped link at 1 Gbit/s: 2 ranks, each a host in its own network
+namespace, and 2 hosts of 2 ranks.
 
 Needs root (network namespaces, veths, tc); skipped, with the reason, where
 that is missing. The kernel's veth counters must agree with the exchanges' own
-byte accounting, and the benchmark must leave no namespace behind.
+byte accounting, the ranks of a host must share its link, and the benchmark must
+leave no namespace behind.
 """
 import json
 import os
@@ -23,19 +25,17 @@ def wire_namespaces():
     return [line.split()[0] for line in listing.splitlines() if line.startswith(netns.PREFIX)]
 
 
-@pytest.mark.timeout(300)
-def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
+def run_wire(tmp_path, *flags, timeout=240):
+    """benchmarks/wire.py with these flags (skipped without root); its rows. The network must be gone after it."""
     reason = netns.check_rights()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "wire.json"
-    cmd = [sys.executable, str(BENCHMARKS / "wire.py"), "--rates=1gbit", "--ranks=2", "--models=mlp4m",
-           "--methods=horovod_fp32,onebit,fp16,quantize8", "--steps=5", "--warmup=2", "--idle_s=1", "--timeout=200",
-           "--inter_op_threads=2", f"--out={out}"]
+    cmd = [sys.executable, str(BENCHMARKS / "wire.py"), "--rates=1gbit", "--models=mlp4m", *flags, f"--out={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # the launcher removes its network on SIGTERM
         try:
@@ -43,11 +43,17 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-        pytest.fail(f"wire.py timed out after 240s.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
+        pytest.fail(f"wire.py timed out after {timeout}s.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{output}"
     assert wire_namespaces() == []
+    return json.loads(out.read_text()), output
 
-    rows = {r["method"]: r for r in json.loads(out.read_text())}
+
+@pytest.mark.timeout(300)
+def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
+    rows, output = run_wire(tmp_path, "--ranks=2", "--methods=horovod_fp32,onebit,fp16,quantize8", "--steps=5",
+                            "--warmup=2", "--idle_s=1", "--timeout=200", "--inter_op_threads=2")
+    rows = {r["method"]: r for r in rows}
     assert set(rows) == {"horovod_fp32", "onebit", "fp16", "quantize8"}
     for method, r in rows.items():
         assert r["ranks"] == 2 and [p["hostname"] for p in r["per_rank"]] == ["hc-ns0", "hc-ns1"]
@@ -62,3 +68,21 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     assert fp32 >= 20 * rows["onebit"]["accounted"]
     assert rows["fp16"]["accounted"] == fp32 / 2  # its alltoalls move a ring's bytes
     assert fp32 / 3.8 > rows["quantize8"]["accounted"] > fp32 / 4  # 8-bit codes, a scale and offset per 256
+
+
+@pytest.mark.timeout(300)
+def test_ranks_of_a_host_share_its_link_and_horovod_sees_the_layout(tmp_path):
+    """--hosts=2x2: two hosts of two ranks. Horovod's local and cross ranks are the layout's, and a
+    host's link carries only what leaves the host: Horovod's ring allreduce (in rank order) sends one
+    rank's share of it across each host boundary, the other rank's stays on the host's loopback."""
+    rows, output = run_wire(tmp_path, "--hosts=2x2", "--methods=horovod_fp32", "--steps=3", "--warmup=2",
+                            "--idle_s=0.5", "--timeout=200")
+    (row,) = rows
+    assert row["layout"] == "2x2" and row["ranks"] == 4 and row["hosts"] == 2
+    ranks = row["per_rank"]
+    assert [r["hostname"] for r in ranks] == ["hc-ns0", "hc-ns0", "hc-ns1", "hc-ns1"]
+    assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in ranks] == [
+        (0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
+    assert len(row["per_host_tx_bytes"]) == 2
+    for tx in row["per_host_tx_bytes"]:  # one rank's ring bytes, not both ranks' (+ headers, control traffic)
+        assert 0.97 < tx / row["accounted"] < 1.1, (row["per_host_tx_bytes"], row["accounted"], output)
