@@ -34,6 +34,8 @@ CASES = ["matrix", "overflow", "clipping", "metrics"]
 define_list_of("cases", CASES, CASES, "Cases.")
 define_list_of("rows", ROWS, ROWS, "Matrix rows.")
 define_list_of("methods", METHODS, METHODS, "Methods.")
+define_list_of("few_methods_rows", ROWS, [], "Matrix rows that run only the --few_methods of --methods.")
+define_list_of("few_methods", METHODS, METHODS, "The methods of the --few_methods_rows.")
 FLAGS = flags.FLAGS
 BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 3, 3, 300
 BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
@@ -233,7 +235,8 @@ def averaged_metrics(keras):
 
 def run_case(keras, case):
     if case == "matrix":
-        return {f"{row}/{method}": train(keras, row, method) for row in FLAGS.rows for method in FLAGS.methods}
+        return {f"{row}/{method}": train(keras, row, method) for row in FLAGS.rows for method in FLAGS.methods
+                if row not in FLAGS.few_methods_rows or method in FLAGS.few_methods}
     if case == "metrics":
         return averaged_metrics(keras)
     if case == "overflow":

@@ -25,8 +25,8 @@ from _worker import define_list_of, report, weights_digest
 
 METHODS = ["none", "onebit", "topk", "powersgd"]
 flags.DEFINE_list("optimizers", None, "Optimizer classes (default: every class of this Keras, and ScaledSGD).")
-flags.DEFINE_integer("rotation", 0, "Optimizer i gets method i + rotation (mod 4): the four launches of "
-                     "tests/test_model_files.py (rotations 0-3) give every class every method.")
+flags.DEFINE_integer("rotation", 0, "Optimizer i gets method i + rotation (mod 4): the launches of "
+                     "tests/test_model_files.py (rotations 0-2) give every class three methods.")
 define_list_of("methods", METHODS, METHODS, "The methods rotated through.")
 flags.DEFINE_string("work_dir", None, "Where rank 0 saves.")
 flags.DEFINE_enum("policy", "float32", ["float32", "mixed_float16"], "Keras's dtype policy.")
