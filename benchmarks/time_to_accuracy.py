@@ -173,7 +173,7 @@ def worker():
 
     sys.path.insert(0, str(wire.REPO / "examples"))
     keras = hc.require_legacy_keras()
-    hvd.init()
+    hvd.init(process_sets="dynamic")  # (wire.py's hier_ methods make the hosts' process sets)
     tf.keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights on every rank
     task = {"digits": digits_task, "transformer": transformer_task}[FLAGS.task]
     model, opt, accounted, batches, steps_per_epoch, x_test, y_test = task(keras, hvd, hvd_keras, hc)

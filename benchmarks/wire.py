@@ -29,7 +29,8 @@ it TCP payload). Per model, N and method the table shows:
 - step vs Horovod fp32, step vs Horovod fp16: their step / this step, measured in the
   same run ("x faster"); Horovod's fp16 is what a user would otherwise pick;
 - accounted bytes/step: what one worker sends per step by the exchange's own
-  accounting (hvd_compress: opt.compression_exchange.bytes_sent; SGP:
+  accounting (hvd_compress: opt.compression_exchange.bytes_sent; hier_ methods: what it sends
+  to other hosts, opt.compression_exchange.cross_host_bytes; SGP:
   opt.pushsum.bytes_sent; Horovod's fp32 / fp16 and our fp32 (none): the ring
   allreduce, 2 (n-1)/n of the 4- / 2-byte payload);
 - host link tx bytes/step: what left a host's veth (mean over hosts; with one rank per
@@ -67,7 +68,10 @@ hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
 (VARIANTS, ACCORDION): topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
 of the coordinates); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
-(rank 1) regime, the regime detector's accumulation included. Models: mlp25m (25.2M parameters, communication-bound),
+(rank 1) regime, the regime detector's accumulation included. hier_<name> (HIERARCHICAL): <name> with
+hierarchical=True, averaged inside each host and compressed across hosts; hier_none is Horovod's
+hierarchical fp32 allreduce done by hvd_compress (Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs its NCCL
+build and does nothing on CPUs). Models: mlp25m (25.2M parameters, communication-bound),
 mlp4m (4.2M, for the test), digits_cnn (examples/digits.py's CNN, 20k), all
 on random batches of --batch_size per rank.
 """
@@ -98,8 +102,14 @@ VARIANTS = {
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
 BASELINES = ("horovod_fp32", "horovod_fp16")
+#: hc.DistributedOptimizer(hierarchical=True): hier_<name> is hc.methods' <name> averaged inside each host and
+#: compressed across hosts; hier_none is Horovod's hierarchical fp32 allreduce (the algorithm of its NCCL build,
+#: which its CPU build lacks: HOROVOD_HIERARCHICAL_ALLREDUCE does nothing there)
+HIERARCHICAL = {f"hier_{name}": name for name in ("none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4",
+                                                  "topk", "randomk", "powersgd")}
 # make_optimizer's methods, Horovod's own first:
-METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION]
+METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION,
+           *HIERARCHICAL]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 MODELS = [*MLPS, "digits_cnn"]
@@ -153,6 +163,8 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
         # shard summed in float32 by its owner.)
         "none": ring(4),
         "sgp": lambda opt, params: opt.pushsum.bytes_sent,
+        # hierarchical: what crosses to other hosts (the rest stays on the host's loopback)
+        **{name: (lambda opt, params: opt.compression_exchange.cross_host_bytes) for name in HIERARCHICAL},
     }.get(method, lambda opt, params: opt.compression_exchange.bytes_sent)
     if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
         optimizer = hc.DistributedOptimizer(base_optimizer, **wrapper_kwargs)
@@ -160,6 +172,8 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
             hc.accordion.AdaptiveCompression(hc.methods.compression("powersgd", rank=4),
                                              hc.methods.compression("powersgd", rank=1)),
             hc.accordion.RegimeDetector())
+    elif method in HIERARCHICAL:
+        optimizer = launch.optimizer(hc, HIERARCHICAL[method], base_optimizer, hierarchical=True, **wrapper_kwargs)
     else:
         optimizer = launch.optimizer(hc, method, base_optimizer, VARIANTS, **wrapper_kwargs)
     return optimizer, lambda num_params: float(accounting(optimizer, num_params))
@@ -198,7 +212,7 @@ def worker():
     import horovod.tensorflow.keras as hvd_keras
 
     keras = hc.require_legacy_keras()
-    hvd.init()
+    hvd.init(process_sets="dynamic")  # (the hier_ methods make the hosts' process sets)
     tf.keras.utils.set_random_seed(0)
     model = build_model(keras, FLAGS.model)
     opt, accounted = make_optimizer(hc, hvd_keras, keras, FLAGS.method,

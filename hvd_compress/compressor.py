@@ -72,6 +72,9 @@ class StatefulCompressor(Compressor):
     update_rule = ERROR_FEEDBACK
     #: False: every compressed tensor is a bucket of its own (Accordion switches per layer)
     fuses_tensors = True
+    #: True: its exchange works on any flat piece of a bucket, so a hierarchical exchange cuts buckets
+    #: into one shard per rank of a host; False: it needs whole tensors (PowerSGD's matrices)
+    splits_tensors = True
     #: True: the exchanged update is zero on most coordinates (refused with Adafactor's factored moments)
     sparse_update = False
     #: the collective the payload needs, for the error message

@@ -39,7 +39,7 @@ import horovod
 import horovod.tensorflow as hvd
 from hvd_compress import ops
 from hvd_compress.compressor import FP16Compressor
-from hvd_compress.state import SHARDED, StateSpec
+from hvd_compress.state import PER_RANK, REPLICATED, SHARDED, StateSpec
 
 
 def allreduce_bytes(payload_bytes, size):
@@ -273,12 +273,95 @@ class OrderedMean(Exchange):
 
     def __call__(self, parts, state, step):
         bucket = self.bucket
-        received, _ = hvd.alltoall(concat(parts), splits=self.shards, process_set=bucket.process_set,
-                                   name=bucket.name + ".ordered.alltoall")
-        rows = tf.reshape(received, [bucket.size, self.shards[bucket.rank]])
-        mean = tf.math.cumsum(rows, axis=0)[-1] * (1.0 / bucket.size)  # (TensorFlow's graph makes / n a * (1/n))
+        mean = ordered_shard_mean(concat(parts), self.shards, bucket.rank, bucket.size, bucket.process_set,
+                                  bucket.name + ".ordered")
         gathered = hvd.allgather(mean, process_set=bucket.process_set, name=bucket.name + ".ordered.allgather")
         return Exchanged([tf.zeros_like(p) for p in parts], split(gathered, parts))
+
+
+def ordered_shard_mean(flat, splits, rank, size, process_set, name):
+    """This rank's shard of the mean of every rank's `flat` (cut into `splits`, one per rank of the
+    process set, in its rank order): an alltoall brings every rank's piece of it, added in rank order (a
+    float32 scan) and multiplied by float32(1/size), which a NumPy reference replays bit for bit."""
+    received, _ = hvd.alltoall(flat, splits=splits, process_set=process_set, name=name + ".alltoall")
+    rows = tf.reshape(received, [size, splits[rank]])
+    return tf.math.cumsum(rows, axis=0)[-1] * (1.0 / size)  # (TensorFlow's graph makes / n a * (1/n))
+
+
+class Hierarchical(Exchange):
+    """A bucket averaged inside each host at full precision and compressed only across hosts, where
+    the host's link is shared (hierarchical=True): with L ranks on each of H hosts,
+
+    1. inside the host, an alltoall in the host's process set gives local rank l shard l of every
+       rank's vector, which it adds in local-rank order (ordered_shard_mean): the host's mean, shard l;
+    2. across hosts, local rank l adds its error feedback to that shard and exchanges it with the
+       compressor's own exchange among the ranks of local rank l on every host (the cross process set):
+       h = mean_l + s e;  D = exchange(h);  e = h - sent  (s: StepInfo.residual_scale);
+    3. inside the host, an allgather of every shard's D gives each rank the whole update.
+
+    Each host then sends one bucket's compressed payload across, in L shards, where the flat exchange
+    sends L payloads. The compressor's worker-side rule (momentum in front, 1-bit Adam's m / d) runs on
+    each rank before step 1; the error feedback e is this rank's, of its shard of the host's mean
+    (per-rank state, `host_residual`); so is the compressor's own replicated state (PowerSGD's Q: the
+    same on every host, not inside one). A compressor that needs whole tensors (`splits_tensors` False:
+    PowerSGD's matrices) gives each bucket whole to local rank (bucket index mod L). With one host there
+    is nothing to compress (the host's mean is the update), with one rank per host this is the flat
+    exchange. `hosts` is a hosts.HostSets; its process sets are resolved before the first call.
+    """
+
+    def __init__(self, compressor, bucket, hosts, feedback):
+        self.bucket, self.hosts = bucket, hosts
+        local_size, local_rank = hosts.local_size, hosts.local_rank
+        self.splits_tensors = getattr(compressor, "splits_tensors", True)
+        if self.splits_tensors:
+            self.splits = [int(n) for n in np.diff(shard_cuts(bucket.num_elements, local_size))]
+            shapes = [(self.splits[local_rank],)] if self.splits[local_rank] else []
+        else:
+            owner = bucket.index % local_size
+            self.splits = [bucket.num_elements if j == owner else 0 for j in range(local_size)]
+            shapes = list(bucket.shapes) if local_rank == owner else []
+        self.shapes = shapes
+        if getattr(compressor, "mask_momentum", False):  # (on every rank alike, whatever shard it holds)
+            raise ValueError(f"{compressor!r} masks the workers' momentum where its update lands, which a "
+                             "hierarchical exchange does not carry back to every rank: use hierarchical=False.")
+        self.inner = None
+        if shapes and hosts.cross_size > 1:
+            self.inner = plan(compressor, Bucket(bucket.index, shapes, hosts.cross_rank, hosts.cross_size,
+                                                 hosts.cross, bucket.name + ".cross"))
+        self.feedback = feedback and self.inner is not None
+        mine = self.splits[local_rank]
+        # The inner exchange's replicated state (PowerSGD's Q) is the same on the ranks of one local rank
+        # only, and a host's other ranks hold other shards' or none: per-rank state here, which no broadcast
+        # from another local rank overwrites.
+        inner_state = tuple(spec._replace(scope=PER_RANK) if spec.scope == REPLICATED else spec
+                            for spec in (self.inner.state if self.inner is not None else ()))
+        self.state = inner_state + ((StateSpec("host_residual", (mine,), PER_RANK),) if self.feedback else ())
+        #: what one worker sends to other hosts per step
+        self.cross_host_bytes = self.inner.bytes_sent if self.inner is not None else 0.0
+        self.bytes_sent = 4 * (bucket.num_elements - mine) + self.cross_host_bytes + allgather_bytes(4 * mine,
+                                                                                                     local_size)
+
+    def residual(self, state):
+        inner = self.inner.residual({s.name: state[s.name] for s in self.inner.state}) if self.inner else []
+        return inner + ([state["host_residual"]] if self.feedback else [])
+
+    def __call__(self, parts, state, step):
+        bucket, hosts = self.bucket, self.hosts
+        mean = ordered_shard_mean(concat(parts), self.splits, hosts.local_rank, hosts.local_size, hosts.local,
+                                  bucket.name + ".local")
+        new_state = {}
+        if self.inner is None:
+            update = mean
+        else:
+            fed = mean + rescaled(state["host_residual"], step.residual_scale) if self.feedback else mean
+            pieces = [fed] if self.splits_tensors else tf.split(fed, [int(np.prod(s)) for s in self.shapes])
+            result = self.inner(pieces, {s.name: state[s.name] for s in self.inner.state}, step)
+            new_state.update(result.state)
+            if self.feedback:
+                new_state["host_residual"] = concat(result.residual)
+            update = concat(decoded(result.update, [int(p.shape[0]) for p in pieces]))
+        gathered = hvd.allgather(update, process_set=hosts.local, name=bucket.name + ".local.allgather")
+        return Exchanged(None, split(gathered, parts), new_state)
 
 
 def plan(compressor, bucket):
@@ -501,6 +584,43 @@ def plan_dense(compression, shapes, dtypes, rank, size, process_set, op, gradien
     if is_fp16(compression):
         return HalfAllreduce(shapes, dtypes, rank, size, process_set, op, fusion_threshold_bytes, name)
     return DenseAllreduce(shapes, dtypes, compression, size, process_set, op, gradient_predivide_factor, name)
+
+
+class HierarchicalDense:
+    """The tensors that are not compressed, under hierarchical=True: Horovod's hierarchical allreduce
+    (the algorithm of its NCCL build, which its CPU build does not have), on the hosts' process sets.
+    They are fused into one float32 vector; inside the host, local rank l gets shard l of its host's
+    mean (ordered_shard_mean); across hosts, the shard is averaged among the ranks of local rank l by
+    the flat dense exchange (plan_dense: float32, or 16 bits under Compression.fp16); inside the host,
+    an allgather brings every shard back. Each host sends one copy of the vector across, not one per rank.
+    """
+
+    def __init__(self, compression, shapes, dtypes, hosts, op, fusion_threshold_bytes, name):
+        self.shapes, self.dtypes, self.hosts, self.name = shapes, dtypes, hosts, name
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        self.scale = hosts.local_size * hosts.cross_size if op == hvd.Sum else 1
+        self.splits = [int(n) for n in np.diff(shard_cuts(sum(self.sizes), hosts.local_size))]
+        mine = self.splits[hosts.local_rank]
+        self.cross = plan_dense(compression, [(mine,)], [tf.float32], hosts.cross_rank, hosts.cross_size,
+                                hosts.cross, hvd.Average, 1.0, fusion_threshold_bytes, name + ".cross")
+        self.cross_host_bytes = self.cross.bytes_sent if mine and hosts.cross_size > 1 else 0.0
+        self.bytes_sent = (4 * (sum(self.sizes) - mine) + self.cross_host_bytes
+                           + allgather_bytes(4 * mine, hosts.local_size))
+
+    def __call__(self, tensors):
+        if not tensors:
+            return []
+        hosts = self.hosts
+        flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+        mean = ordered_shard_mean(flat, self.splits, hosts.local_rank, hosts.local_size, hosts.local,
+                                  self.name + ".local")
+        if self.cross_host_bytes:
+            (mean,) = self.cross([mean])
+        gathered = hvd.allgather(mean, process_set=hosts.local, name=self.name + ".local.allgather")
+        if self.scale != 1:
+            gathered = gathered * self.scale
+        return [tf.cast(tf.reshape(g, shape), dtype)
+                for g, shape, dtype in zip(tf.split(gathered, self.sizes), self.shapes, self.dtypes)]
 
 
 def agree_on_finiteness(grads, process_set, name):

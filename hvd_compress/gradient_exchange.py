@@ -26,6 +26,11 @@ Update rules (the compressor's `update_rule`; `direct_update` where lr is inside
 - EXCHANGE_FEEDBACK: the worker hands plain gradients; the exchange keeps error and momentum.
 - NO_FEEDBACK: a_i = g_i; nothing is kept.
 
+Hosts. With hierarchical=True every bucket is averaged inside each host at full precision and compressed
+only across hosts (exchange.Hierarchical; the uncompressed tensors exchange.HierarchicalDense): the error
+feedback then lives in the exchange, on this rank's shard of its host's mean, and the worker keeps its rule's
+momentum only. The hosts' process sets are made at the first step (hosts.HostSets).
+
 Warm-up. For the first `warmup_steps` steps every bucket travels at full precision (a float32 sum
 in rank order, exchange.OrderedMean, chosen by exchange.Switching), and the worker's residuals stay
 zero; compression starts after.
@@ -34,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, ops, state
+from hvd_compress import exchange, hosts, ops, state
 from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
                                      NoneCompressor, StatefulCompressor)
 from hvd_compress.accordion import AdaptiveCompression
@@ -92,10 +97,16 @@ class GradientExchange(tf.Module):
     def __init__(self, compression, process_set=hvd.global_process_set, op=hvd.Average,
                  gradient_predivide_factor=1.0, sparse_as_dense=False,
                  min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
-                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc", two_way=None, warmup_steps=None):
+                 fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, name="hc", two_way=None, warmup_steps=None,
+                 hierarchical=False):
         super().__init__(name=name.replace(".", "_"))
         refuse_two_way(two_way)
         compression = _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes, warmup_steps)
+        if not isinstance(hierarchical, bool):
+            raise TypeError(f"hierarchical must be True or False, got {hierarchical!r}.")
+        #: averages inside each host at full precision and compresses across hosts (exchange.Hierarchical)
+        self.hierarchical = hierarchical
+        self.hosts = None  # hosts.HostSets of the current plan, when hierarchical
         #: full-precision steps before compression starts (None: 1-bit Adam's default, else 0)
         self.requested_warmup_steps = warmup_steps
         self.compression, self.process_set = compression, process_set
@@ -124,6 +135,8 @@ class GradientExchange(tf.Module):
             raise ValueError(f"This optimizer already ran a step with {self.compression!r}; Accordion "
                              "plans both of its settings at the first step. Add the callback to the "
                              "first model.fit of a new or freshly loaded optimizer.")
+        if self.hierarchical:
+            raise ValueError("Accordion does not run on a hierarchical exchange yet: use hierarchical=False with it.")
         if self.monitor is not None and repr(detector) != repr(self.monitor):
             raise ValueError(f"This optimizer is already watched by {self.monitor!r}; use one Accordion "
                              "callback (compression or batch size) per optimizer.")
@@ -152,8 +165,10 @@ class GradientExchange(tf.Module):
         rule = self.compression.update_rule
         one_bit_adam = adam is not None and rule == MOMENTUM_IN_FRONT
         self.direct_update = (sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)) or one_bit_adam
-        #: the worker keeps a residual per compressed variable (error feedback), and a momentum in front
-        self.keeps_residual = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
+        #: error feedback (the worker's residual per compressed variable; hierarchical: the exchange's, on
+        #: its shard of the host's mean), and a momentum in front
+        self.feedback = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
+        self.keeps_residual = self.feedback and not self.hierarchical
         self.keeps_momentum = sgd and rule == MOMENTUM_IN_FRONT
         self.warmup_steps = self.requested_warmup_steps
         if self.warmup_steps is None:
@@ -227,11 +242,17 @@ class GradientExchange(tf.Module):
         # Plan every exchange first: a bad size is refused before any collective runs.
         buckets = [exchange.Bucket(b, [self.layout.shapes[i] for i in bucket], rank, size, self.process_set,
                                    self._collective(b)) for b, bucket in enumerate(self.layout.buckets)]
-        self.exchanges = [exchange.plan(self.compression, bucket) for bucket in buckets]
+        if self.hierarchical:
+            hosts.check_hosts_can_be_planned(self.process_set)
+            self.hosts = hosts.HostSets()
+            self.exchanges = [exchange.Hierarchical(self.compression, bucket, self.hosts, self.feedback)
+                              for bucket in buckets]
+        else:
+            self.exchanges = [exchange.plan(self.compression, bucket) for bucket in buckets]
         if self.warmup_steps:
             self.exchanges = [exchange.Switching(exchange.OrderedMean(bucket), ex, self._in_warmup)
                               for bucket, ex in zip(buckets, self.exchanges)]
-        rank_state = RankLocalState(rank, size)
+        rank_state = RankLocalState(rank, size, self.hosts.local_size if self.hierarchical else 1)
 
         def new_state(spec):
             return self._state_variable(spec, rank_state)
@@ -256,6 +277,12 @@ class GradientExchange(tf.Module):
         state.track(self._holder, rank_state)  # a pending checkpoint restore happens here
         self._plan_agreement(previous)
         dense_compression = NoneCompressor if self.compression.requires_optimizer else self.compression
+        if self.hierarchical:
+            self.dense_exchange = exchange.HierarchicalDense(
+                dense_compression, [self.layout.shapes[i] for i in self.layout.dense],
+                [self.variable_dtypes[i] for i in self.layout.dense], self.hosts, self.op,
+                self.fusion_threshold_bytes, f"{self.collective_name}.dense")
+            return
         self.dense_exchange = exchange.plan_dense(
             dense_compression, [self.layout.shapes[i] for i in self.layout.dense],
             [self.variable_dtypes[i] for i in self.layout.dense], rank, size, self.process_set, self.op,
@@ -280,6 +307,7 @@ class GradientExchange(tf.Module):
                     f"min_compress_size={self.min_compress_size} "
                     f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
                     f"direct_update={self.direct_update} warmup_steps={self.warmup_steps} "
+                    f"hierarchical={self.hosts.layout if self.hierarchical else False} "
                     f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
         self.agreement.plan(settings, self.rank_state, self.process_set, self.collective_name,
                             None if previous_world is None else previous_world[1])
@@ -298,6 +326,15 @@ class GradientExchange(tf.Module):
     def bytes_sent(self):
         """Bytes one worker sends per step (it receives as many)."""
         return sum(ex.bytes_sent for ex in self.exchanges) + self.dense_exchange.bytes_sent
+
+    @property
+    def cross_host_bytes(self):
+        """hierarchical: the bytes one worker sends to other hosts per step (the rest stays inside its host)."""
+        if not self.hierarchical:
+            raise ValueError("cross_host_bytes is counted for hierarchical=True; bytes_sent counts a flat exchange.")
+        chosen = [ex.chosen if isinstance(ex, exchange.Switching) else ex for ex in self.exchanges]
+        return (sum(getattr(ex, "cross_host_bytes", ex.bytes_sent) for ex in chosen)
+                + self.dense_exchange.cross_host_bytes)
 
     @property
     def uncompressed_bytes(self):
@@ -348,6 +385,9 @@ class GradientExchange(tf.Module):
         iteration; None (a tape) uses and advances the exchange's own count, `own_steps`."""
         self.traced = True
         self.agreement.check()
+        if self.hierarchical:  # the hosts' process sets, made by every rank at its first step
+            with tf.init_scope():
+                self.hosts.resolve()
         with tf.name_scope("hc_exchange"):  # name scopes read by benchmarks/overhead.py
             counted = step is None and self.own_steps is not None
             if counted:
@@ -487,6 +527,8 @@ class GradientExchange(tf.Module):
         momentum (FetchSGD)."""
         g = tf.cast(g, tf.float32)
         e = self.residuals[self.layout.slot[i]]
+        if e is None and self.hierarchical and self.feedback:  # the rule's worker side, feedback on host means
+            e = tf.zeros_like(g)
         if e is None:
             return g
         if self.adam is not None:

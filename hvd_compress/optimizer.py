@@ -263,7 +263,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=hvd.global_process_set, scale_local_gradients=True,
                          min_compress_size=DEFAULT_MIN_COMPRESS_SIZE,
-                         fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, warmup_steps=None, two_way=None):
+                         fusion_threshold_bytes=DEFAULT_FUSION_THRESHOLD_BYTES, warmup_steps=None, two_way=None,
+                         hierarchical=False):
     """Wraps a Keras optimizer (Keras 3, or tf_keras) so gradients are averaged across ranks,
     compressed.
 
@@ -279,6 +280,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         compression starts. Under Adam or AdamW, onebit and sketch (momentum in front) train
         1-bit Adam (its warm-up fills Adam's variance, which is then frozen; None: 1 / (1 - beta_2)
         steps, 1000 by default); elsewhere None means 0.
+      hierarchical: on hosts of several ranks, average inside each host at full precision and
+        compress only across hosts (exchange.Hierarchical): each host sends one compressed payload
+        where the flat exchange sends one per rank. Needs the same number of ranks on every host and
+        Horovod's dynamic process sets (hvd.init(process_sets="dynamic")).
     Returns the same optimizer object, now an instance of a subclass of its
     class: everything it holds (settings outside its config, trained slots and
     step count, callables, schedules) is kept. Model files save it under the
@@ -301,7 +306,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          f"backward_passes_per_step={optimizer.gradient_accumulation_steps} instead.")
     exchange_ = GradientExchange(compression, process_set, op, gradient_predivide_factor,
                                  sparse_as_dense, min_compress_size, fusion_threshold_bytes,
-                                 name=name or f"hc.{type(optimizer).__name__}", warmup_steps=warmup_steps)
+                                 name=name or f"hc.{type(optimizer).__name__}", warmup_steps=warmup_steps,
+                                 hierarchical=hierarchical)
     if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
         raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
     refuse_sparse_updates_to_factored_moments(optimizer, exchange_.compression)
@@ -312,7 +318,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                     backward_passes_per_step=backward_passes_per_step,
                     average_aggregated_gradients=average_aggregated_gradients, process_set=process_set,
                     min_compress_size=min_compress_size,
-                    fusion_threshold_bytes=fusion_threshold_bytes, warmup_steps=warmup_steps)
+                    fusion_threshold_bytes=fusion_threshold_bytes, warmup_steps=warmup_steps,
+                    hierarchical=hierarchical)
     wrapped = wrap_in_place(optimizer, _DistributedOptimizerMixin)
     wrapped._hc_init(exchange_, backward_passes_per_step, average_aggregated_gradients, settings)
     return wrapped

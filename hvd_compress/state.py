@@ -60,12 +60,13 @@ class Restore(NamedTuple):
 
 
 class RankLocalState(trackable.Trackable):
-    """The per-rank and sharded state of one owner, with the (rank, size) it belongs to.
+    """The per-rank and sharded state of one owner, with the (rank, size) it belongs to, and the ranks per
+    host of a hierarchical plan (`local_size`; 1 for a flat one).
 
-    A checkpoint saves every variable plus `owner` = [rank, size]. A restore
-    (immediate, or deferred to when this object is attached) keeps the values
-    only when the checkpoint's owner is this rank at this world size and every
-    shape fits; otherwise it resets everything to its initial value. Either
+    A checkpoint saves every variable plus `owner` = [rank, size, local_size] (files from before hierarchical
+    plans hold [rank, size]: local size 1). A restore (immediate, or deferred to when this object is attached)
+    keeps the values only when the checkpoint's owner is this rank at this world size and host layout and
+    every variable is there with its shape; otherwise it resets everything to its initial value. Either
     way `restored` records what happened, for the owner's one-line report.
 
     Not a tf.Module and not a child of anything `hvd.broadcast_variables` is
@@ -74,16 +75,16 @@ class RankLocalState(trackable.Trackable):
     owners drop it from their children when saving a SavedModel.
     """
 
-    def __init__(self, rank, size):
-        self.rank, self.size = int(rank), int(size)
+    def __init__(self, rank, size, local_size=1):
+        self.rank, self.size, self.local_size = int(rank), int(size), int(local_size)
         self.specs, self.variables = {}, {}
         self.restored = None  # the last Restore, until taken by the owner's report
         self.reported = False  # True once the owner has reported a restore at build time
 
     @property
     def owner(self):
-        """[rank, size], saved with the state."""
-        return tf.constant([self.rank, self.size], tf.int64)
+        """[rank, size, local_size], saved with the state."""
+        return tf.constant([self.rank, self.size, self.local_size], tf.int64)
 
     def add(self, spec):
         """Creates the variable of a per-rank or sharded StateSpec (names are unique)."""
@@ -111,9 +112,11 @@ class RankLocalState(trackable.Trackable):
         if not tf.executing_eagerly():
             raise NotImplementedError("hvd_compress restores per-rank state eagerly; call "
                                       "Checkpoint.restore outside tf.function.")
-        writer = tuple(int(x) for x in restored_tensors["owner"].numpy())
-        kept = writer == (self.rank, self.size) and all(
-            restored_tensors[safe_name(name)].shape == v.shape for name, v in self.variables.items())
+        owner = [int(x) for x in restored_tensors["owner"].numpy()]
+        writer, writer_local_size = tuple(owner[:2]), (owner[2] if len(owner) > 2 else 1)
+        kept = writer == (self.rank, self.size) and writer_local_size == self.local_size and all(
+            safe_name(name) in restored_tensors and restored_tensors[safe_name(name)].shape == v.shape
+            for name, v in self.variables.items())
         if kept:
             for name, v in self.variables.items():
                 v.assign(restored_tensors[safe_name(name)])

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -148,3 +149,51 @@ def _launch(launcher_cmd, worker, args, np, what, timeout, env):
                 pytest.fail(f"rank {rank} of {what} wrote no result.\n{output}", pytrace=False)
             results.append(json.loads(path.read_text()))
         return results
+
+
+def run_hosts(worker, *args, ranks_per_host=(2, 2), timeout=240, env=None):
+    """Runs tests/workers/<worker> as hosts of `ranks_per_host` ranks each, on this machine: Horovod's
+    own rendezvous server and Gloo launch environment (horovodrun's), with a host name per host, so Horovod's
+    local and cross ranks and sizes are those of the layout, and dynamic process sets on (env may turn them off). The ranks talk over
+    the loopback (benchmarks/wire.py --hosts puts each host in a network namespace of its own). Returns the
+    per-rank result dicts; kills every rank at the first failure or after `timeout` seconds."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    n = sum(ranks_per_host)
+    plan = get_host_assignments(parse_hosts(",".join(f"hc-host{h}:{k}" for h, k in enumerate(ranks_per_host))), n)
+    what = f"{worker} on hosts of {'+'.join(map(str, ranks_per_host))} ranks"
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="hvdhosts-") as out_dir:
+        try:
+            for slot in plan:
+                rank_env = dict(worker_env(dict(dict(HOROVOD_DYNAMIC_PROCESS_SETS="1"), **(env or {}))),
+                                **create_run_env_vars("127.0.0.1", ["lo"], port), **create_slot_env_vars(slot))
+                with open(pathlib.Path(out_dir) / f"rank{slot.rank}.log", "w") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)],
+                        env={k: str(v) for k, v in rank_env.items()}, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.wait()
+            server.stop()
+        logs = "\n".join(f"--- rank {r} ---\n" + (pathlib.Path(out_dir) / f"rank{r}.log").read_text()[-4000:]
+                         for r in range(n))
+        if any(p.returncode for p in procs):
+            pytest.fail(f"{what}: exit codes {[p.returncode for p in procs]} (killed at the first failure or after "
+                        f"{timeout}s).\n{logs}", pytrace=False)
+        return [json.loads((pathlib.Path(out_dir) / f"rank{r}.json").read_text()) for r in range(n)]

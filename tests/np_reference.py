@@ -144,6 +144,39 @@ class OneBitExchange:
         return update
 
 
+    def error_fed_mean(self, values, scale=np.float32(1)):
+        """D of the workers' values, each with its residual (times scale) added."""
+        return self([v + scale * e for v, e in zip(values, self.e)], scale)
+
+
+def host_means(values, hosts, local):
+    """Each host's mean of its ranks' values (ranks numbered host by host), added in local-rank order in
+    float32 and multiplied by float32(1 / local)."""
+    return [np.add.accumulate(np.asarray(values[h * local:(h + 1) * local], np.float32), axis=0)[-1]
+            * np.float32(1 / local) for h in range(hosts)]
+
+
+class HierarchicalOneBit:
+    """The hierarchical onebit exchange (exchange.Hierarchical) of `hosts` hosts of `local` simulated ranks
+    (numbered host by host): each host's mean of its ranks' values; local rank l exchanges shard l of it,
+    with its host's residual, through the flat onebit exchange among the hosts. One host: the host's mean."""
+
+    def __init__(self, d, hosts, local, block_size=None, two_way=True):
+        self.hosts, self.local = hosts, local
+        cuts = shard_cuts(d, local)
+        self.shards = [(int(cuts[l]), int(cuts[l + 1])) for l in range(local)]
+        self.exchanges = [OneBitExchange(hi - lo, hosts, block_size, two_way) for lo, hi in self.shards]
+
+    def error_fed_mean(self, values, scale=np.float32(1)):
+        means = host_means(values, self.hosts, self.local)
+        update = np.zeros_like(means[0])
+        for (lo, hi), ex in zip(self.shards, self.exchanges):
+            if lo < hi:
+                update[lo:hi] = (means[0][lo:hi] if self.hosts == 1 else
+                                 ex.error_fed_mean([m[lo:hi] for m in means], scale))
+        return update
+
+
 class DistEFSGD:
     """dist-EF-SGD (shared/DESIGN.md) for n simulated workers on one flat tensor of d elements."""
 
@@ -177,12 +210,14 @@ class OneBitAdam:
     computes Keras's x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
-                 block_size=None, two_way=True, amsgrad=False):
+                 block_size=None, two_way=True, amsgrad=False, hosts=None):
+        """hosts: (H, L), the n = H L workers on H hosts of L, exchanging hierarchically (HierarchicalOneBit)."""
         self.n, self.warmup_steps, self.amsgrad = n, warmup_steps, amsgrad
         self.b1, self.b2, self.eps, self.wd = (np.float32(v) for v in (beta_1, beta_2, epsilon, weight_decay))
         # 1 - beta in Python's float64, then float32: as Keras computes them
         self.keep_1, self.keep_2 = np.float32(1 - beta_1), np.float32(1 - beta_2)
-        self.exchange = OneBitExchange(d, n, block_size, two_way)
+        self.exchange = (HierarchicalOneBit(d, *hosts, block_size, two_way) if hosts else
+                         OneBitExchange(d, n, block_size, two_way))
         self.m, self.v, self.v_hat = np.zeros(d, np.float32), np.zeros(d, np.float32), np.zeros(d, np.float32)
         self.t = 0
 
@@ -201,7 +236,7 @@ class OneBitAdam:
             x -= (self.m * np.float32(alpha)) / self.preconditioner()
             return
         d = self.preconditioner()
-        mean = self.exchange([(self.m + (g - self.m) * self.keep_1) / d + e for g, e in zip(grads, self.exchange.e)])
+        mean = self.exchange.error_fed_mean([(self.m + (g - self.m) * self.keep_1) / d for g in grads])
         self.m = mean * d
         x -= mean * np.float32(alpha)
 

@@ -135,7 +135,7 @@ def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras):
         assert [r["size"] for r in result["resets"]] == [2, 3]
         for reset in result["resets"]:
             assert reset["rank_state_fresh"] and reset["replicated_kept"], reset
-            assert reset["owner"] == [rank, reset["size"]]
+            assert reset["owner"] == [rank, reset["size"], 1]  # (rank, world size, ranks per host of the plan)
         assert len(result["logged"]) == (2 if rank == 0 else 0), result["logged"]
         assert result["epochs"][-1]["loss"] < result["epochs"][0]["loss"]
     assert [e["epoch"] for e in newcomer["epochs"]] == [6, 7, 8] and newcomer["resets"] == []

@@ -13,20 +13,13 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from hvd_compress import exchange
 import np_reference as ref
+from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of
 from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
 flags.DEFINE_list("rules", ["world", "quantize", "adam"], "Which groups of update rules to check.")
 FLAGS = flags.FLAGS
-SHAPE, DENSE, MU = (60, 50), 10, 0.9
-BOUNDARIES, RATES = [2], [0.1, 0.05]
-WARMUP = 2  # 1-bit Adam's full-precision steps
-
-
-def grads_of(rank, step):
-    rng = np.random.default_rng(100 * step + rank)
-    return (rng.standard_normal(SHAPE).astype(np.float32), rng.standard_normal(DENSE).astype(np.float32))
 
 
 def run(compression, nesterov, process_set):

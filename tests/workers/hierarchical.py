@@ -1,0 +1,232 @@
+"""hc.DistributedOptimizer(hierarchical=True) on hosts of several ranks (tests/hvdrun.run_hosts): its
+step against a NumPy reference of the hierarchical rule, over several graph-mode steps with a
+learning-rate drop, on every rank; reports {case: digest} and the layout Horovod saw.
+
+The reference: every rank's worker-side value a_i (dist-EF-SGD: lr times its Nesterov momentum; top-k:
+its gradient); each host's mean, added in local-rank order (float32) times float32(1 / L); local rank l
+exchanges shard l of its host's mean, with its error feedback e (h = mean_l + s e), with local rank l of
+every other host by the compressor's flat exchange; every rank applies the gathered shards."""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+import np_reference as ref
+from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of
+from _worker import LoggedLines, report
+
+flags.DEFINE_integer("steps", 5, "Optimizer steps (the rate drops after step 2).")
+flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume"],
+                  "rules: every rule against its reference; refused: the error of a first hierarchical step that "
+                  "cannot run here; save: --steps steps of hierarchical onebit, then every rank writes a "
+                  "tf.train.Checkpoint under --work_dir and trains --steps more (the uninterrupted run); resume: "
+                  "reads rank r's checkpoint and trains those --steps.")
+flags.DEFINE_string("work_dir", None, "save, resume: where the ranks' checkpoints are.")
+FLAGS = flags.FLAGS
+
+
+def rate(t):
+    return RATES[int(t > BOUNDARIES[0])]
+
+
+def run(compression):
+    """Trains the two variables with hc, hierarchical; the final values, and the exchange's cross-host bytes."""
+    keras = tf.keras
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=True),
+                                  compression=compression, hierarchical=True)
+
+    @tf.function
+    def step(gw, gb):
+        opt.apply_gradients([(gw, w), (gb, b)])
+
+    for t in range(FLAGS.steps):
+        step(*map(tf.constant, grads_of(hvd.rank(), t)))
+    return w.numpy().reshape(-1), b.numpy()
+
+
+def reference(kind, hosts, local, compression):
+    """The hierarchical rule of `kind` (onebit: dist-EF-SGD; topk: error feedback, then Keras SGD) on w."""
+    d, n = int(np.prod(SHAPE)), hosts * local
+    # PowerSGD needs whole tensors: bucket 0, w, goes whole to local rank 0
+    cuts = ref.shard_cuts(d, local) if kind != "powersgd" else np.array([0] + [d] * local)
+    powersgd = PowerSGDHosts(compression, hosts) if kind == "powersgd" else None
+    x, m_sgd = np.zeros(d, np.float32), np.zeros(d, np.float32)
+    momenta = [np.zeros(d, np.float32) for _ in range(n)]
+    previous_lr = np.float32(0)
+    shards = [(int(cuts[l]), int(cuts[l + 1])) for l in range(local)]
+    if kind == "onebit":
+        onebit = ref.HierarchicalOneBit(d, hosts, local, compression.block_size, compression.two_way)
+    errors = [[np.zeros(hi - lo, np.float32) for _ in range(hosts)] for lo, hi in shards]
+    for t in range(FLAGS.steps):
+        grads = [grads_of(r, t)[0].reshape(-1) for r in range(n)]
+        if kind == "onebit":
+            scale = ref.residual_scale(rate(t), previous_lr)
+            previous_lr = np.float32(rate(t))
+            values = []
+            for r, g in enumerate(grads):
+                momenta[r] = np.float32(MU) * momenta[r] + g
+                values.append(np.float32(rate(t)) * (np.float32(MU) * momenta[r] + g))
+        else:
+            scale, values = np.float32(1), grads
+        if kind == "onebit":
+            x -= onebit.error_fed_mean(values, scale)
+            continue
+        means = ref.host_means(values, hosts, local)
+        update = np.zeros(d, np.float32)
+        for l, (lo, hi) in enumerate(shards):
+            if lo == hi:
+                continue
+            if hosts == 1:  # nothing crosses a host: the host's mean is the update
+                update[lo:hi] = means[0][lo:hi]
+            elif kind == "powersgd":
+                update[lo:hi] = powersgd.step([means[h][lo:hi] for h in range(hosts)])
+            else:
+                k = compression.num_selected(hi - lo)
+                total = np.zeros(hi - lo, np.float32)
+                for h in range(hosts):
+                    fed = means[h][lo:hi] + errors[l][h]
+                    if kind == "randomk":
+                        idx = compression.indices(hi - lo, k, t, 0).numpy()
+                        values_h = fed[idx]
+                    else:
+                        values_h, idx = ref.top_k_abs(fed, k)
+                    sent = ref.scatter_dense(idx, values_h, hi - lo)
+                    errors[l][h] = fed - sent
+                    total += sent
+                update[lo:hi] = total / np.float32(hosts)
+        ref.keras_sgd(x, m_sgd, update, rate(t), MU, True)
+    return x
+
+
+def reference_dense(hosts, local, variable, half=False):
+    """Keras SGD on the hierarchical mean of one variable's gradients (0: w, 1: b): the hosts' means, then
+    their mean (in 16 bits under Compression.fp16)."""
+    x = np.zeros(grads_of(0, 0)[variable].size, np.float32)
+    m = np.zeros_like(x)
+    for t in range(FLAGS.steps):
+        means = ref.host_means([grads_of(r, t)[variable].reshape(-1) for r in range(hosts * local)], hosts, local)
+        g = ref.half_mean(means) if half and hosts > 1 else np.mean(means, axis=0, dtype=np.float32)
+        ref.keras_sgd(x, m, g, rate(t), MU, True)
+    return x
+
+
+def run_adam(compression, weight_decay):
+    """1-bit Adam (AdamW: weight_decay > 0), hierarchical, WARMUP steps at full precision; w's final values."""
+    keras = tf.keras
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
+    inner = keras.optimizers.AdamW(schedule, weight_decay=weight_decay) if weight_decay else keras.optimizers.Adam(
+        schedule)
+    opt = hc.DistributedOptimizer(inner, compression=compression, warmup_steps=WARMUP, hierarchical=True)
+
+    @tf.function
+    def step(gw):
+        opt.apply_gradients([(gw, w)])
+
+    for t in range(FLAGS.steps):
+        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    return w.numpy().reshape(-1)
+
+
+def reference_adam(hosts, local, compression, weight_decay):
+    d = int(np.prod(SHAPE))
+    model = ref.OneBitAdam(d, hosts * local, WARMUP, weight_decay=weight_decay, block_size=compression.block_size,
+                           two_way=compression.two_way, hosts=(hosts, local))
+    x = np.zeros(d, np.float32)
+    for t in range(FLAGS.steps):
+        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(hosts * local)], np.float32(rate(t) / 10))
+    return x
+
+
+class PowerSGDHosts:
+    """PowerSGD (float64 NumPy, warm-started Q, error feedback) among hosts on their means of w: the update
+    P Q^T does not depend on the signs QR picks, so NumPy's QR may differ from TensorFlow's."""
+
+    def __init__(self, compression, hosts):
+        self.q = tf.random.stateless_normal([SHAPE[1], compression.rank], tf.constant([compression.seed << 20, 0],
+                                                                                     tf.int64)).numpy().astype(np.float64)
+        self.e = [np.zeros(SHAPE) for _ in range(hosts)]
+
+    def step(self, means):
+        ms = [m.reshape(SHAPE).astype(np.float64) + e for m, e in zip(means, self.e)]
+        mean = np.mean(ms, axis=0)
+        p = np.linalg.qr(mean @ self.q)[0]
+        self.q = mean.T @ p
+        update = p @ self.q.T
+        self.e = [m - update for m in ms]
+        return update.reshape(-1).astype(np.float32)
+
+
+def refused():
+    """The error a hierarchical step gives here (before any collective), or None."""
+    w = tf.Variable(np.zeros(SHAPE, np.float32))
+    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=hc.Compression.onebit(), hierarchical=True)
+    try:
+        tf.function(lambda g: opt.apply_gradients([(g, w)]))(tf.ones(SHAPE))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def checkpointed(mode):
+    """Hierarchical onebit with per-rank checkpoints (see --mode): w's digest, every rank's; what was logged."""
+    logged = LoggedLines.attach()
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=MU), compression=hc.Compression.onebit(),
+                                  hierarchical=True)
+    checkpoint = tf.train.Checkpoint(w=w, optimizer=opt)
+    path = f"{FLAGS.work_dir}/rank{hvd.rank()}/ckpt"
+    first = 0
+    if mode == "resume":
+        checkpoint.read(path).expect_partial()
+        first = FLAGS.steps
+    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
+    for t in range(first, 2 * FLAGS.steps):
+        if mode == "save" and t == FLAGS.steps:
+            checkpoint.write(path)
+        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    return dict(digest=hashlib.sha256(w.numpy().tobytes()).hexdigest(), moved=float(np.abs(w.numpy()).max()),
+                logged=logged.lines)
+
+
+def main(_):
+    hvd.init()
+    if FLAGS.mode == "refused":
+        return report(hvd, refused=refused())
+    if FLAGS.mode in ("save", "resume"):
+        return report(hvd, **checkpointed(FLAGS.mode))
+    hosts, local = hvd.cross_size(), hvd.local_size()
+    cases = {"onebit two-way": ("onebit", hc.Compression.onebit()),
+             "onebit one-way blocks": ("onebit", hc.Compression.onebit(block_size=64, two_way=False)),
+             "topk": ("topk", hc.Compression.topk(ratio=0.05)),
+             "randomk": ("randomk", hc.Compression.randomk(ratio=0.05, seed=3)),
+             "powersgd": ("powersgd", hc.Compression.powersgd(rank=3, seed=2)),
+             "none": ("none", hc.Compression.none), "fp16": ("fp16", hc.Compression.fp16)}
+    digests = {}
+    adam = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0),
+            "1-bit AdamW one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), 0.05)}
+    for name, (compression, weight_decay) in adam.items():
+        w = run_adam(compression, weight_decay)
+        np.testing.assert_array_equal(w, reference_adam(hosts, local, compression, weight_decay),
+                                      err_msg=f"{hosts}x{local} {name}")
+        digests[name] = hashlib.sha256(w.tobytes()).hexdigest()
+    for name, (kind, compression) in cases.items():
+        w, b = run(compression)
+        want = (reference_dense(hosts, local, 0, half=kind == "fp16") if kind in ("none", "fp16") else
+                reference(kind, hosts, local, compression))
+        np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"{hosts}x{local} {name}")
+        np.testing.assert_allclose(b, reference_dense(hosts, local, 1, half=kind == "fp16"), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{hosts}x{local} {name}: the uncompressed variable")
+        assert np.abs(w).max() > 0.01, name
+        digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
+    report(hvd, digests=digests, layout=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()])
+
+
+if __name__ == "__main__":
+    app.run(main)
