@@ -3,7 +3,7 @@ per host, on this machine): every compressor's hierarchical rule against its Num
 layouts 1x2, 2x1, 2x2 and 2x3, and the layouts it refuses, before any collective."""
 import pytest
 
-from hvdrun import run_hosts
+from hvdrun import KERASES, run_hosts
 
 
 @pytest.mark.parametrize("ranks_per_host", [(2,), (1, 1), (2, 2), (3, 3)], ids=["1x2", "2x1", "2x2", "2x3"])
@@ -45,3 +45,13 @@ def test_a_checkpoint_at_2x2_resumes_exactly_there_and_afresh_at_1x2_and_2x1(tmp
                           ranks_per_host=layout)
         assert len({r["digest"] for r in other}) == 1 and other[0]["moved"] > 0, layout
         assert any("reset its per-rank and sharded state" in line for line in other[0]["logged"]), other[0]["logged"]
+
+
+@pytest.mark.parametrize("keras", list(KERASES))
+def test_model_fit_trains_hierarchically_under_mixed_precision_with_ranks_identical_after_every_batch(keras):
+    """As users run it, in either Keras: model.fit, mixed_float16 (compile's LossScaleOptimizer), AdamW with 1-bit Adam
+    after a 5-step warm-up, hierarchical at 2x2, rank 0's weights broadcast first."""
+    results = run_hosts("hierarchical.py", "--mode=fit", ranks_per_host=(2, 2), env=KERASES[keras])
+    for r in results:
+        assert r["steps_checked"] == 30 and r["loss_scaled"].startswith("LossScaleOptimizer"), r
+        assert r["losses"][-1] < r["losses"][0], r["losses"]

@@ -16,11 +16,12 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of
-from _worker import LoggedLines, report
+from _worker import IdenticalRanks, LoggedLines, report
 
 flags.DEFINE_integer("steps", 5, "Optimizer steps (the rate drops after step 2).")
-flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume"],
-                  "rules: every rule against its reference; refused: the error of a first hierarchical step that "
+flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume", "fit"],
+                  "rules: every rule against its reference; fit: model.fit as users run it (mixed_float16, AdamW, "
+                  "1-bit Adam); refused: the error of a first hierarchical step that "
                   "cannot run here; save: --steps steps of hierarchical onebit, then every rank writes a "
                   "tf.train.Checkpoint under --work_dir and trains --steps more (the uninterrupted run); resume: "
                   "reads rank r's checkpoint and trains those --steps.")
@@ -195,8 +196,30 @@ def checkpointed(mode):
                 logged=logged.lines)
 
 
+def fit():
+    """model.fit as users run it: a Keras model under mixed_float16, AdamW with onebit (1-bit Adam after a warm-up),
+    hierarchical, rank 0's weights broadcast first; ranks checked identical after every batch; the losses."""
+    keras = tf.keras
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(10)])
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=hc.Compression.onebit(), warmup_steps=5,
+                                  hierarchical=True)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(hvd.rank())
+    x, y = rng.standard_normal((320, 64)).astype(np.float32), rng.integers(0, 10, 320)
+    identical = IdenticalRanks("onebit")
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                        callbacks=[hc.callbacks.BroadcastGlobalVariablesCallback(0), identical])
+    return dict(losses=history.history["loss"], steps_checked=identical.checked,
+                loss_scaled=type(model.optimizer).__name__)
+
+
 def main(_):
     hvd.init()
+    if FLAGS.mode == "fit":
+        return report(hvd, **fit())
     if FLAGS.mode == "refused":
         return report(hvd, refused=refused())
     if FLAGS.mode in ("save", "resume"):
