@@ -338,8 +338,7 @@ class Hierarchical(Exchange):
         self.state = inner_state + ((StateSpec("host_residual", (mine,), PER_RANK),) if self.feedback else ())
         #: what one worker sends to other hosts per step
         self.cross_host_bytes = self.inner.bytes_sent if self.inner is not None else 0.0
-        self.bytes_sent = 4 * (bucket.num_elements - mine) + self.cross_host_bytes + allgather_bytes(4 * mine,
-                                                                                                     local_size)
+        self.bytes_sent = hierarchical_bytes(bucket.num_elements, mine, self.cross_host_bytes, local_size)
 
     def residual(self, state):
         inner = self.inner.residual({s.name: state[s.name] for s in self.inner.state}) if self.inner else []
@@ -362,6 +361,12 @@ class Hierarchical(Exchange):
             update = concat(decoded(result.update, [int(p.shape[0]) for p in pieces]))
         gathered = hvd.allgather(update, process_set=hosts.local, name=bucket.name + ".local.allgather")
         return Exchanged(None, split(gathered, parts), new_state)
+
+
+def hierarchical_bytes(num_elements, mine, cross_host_bytes, local_size):
+    """Bytes one worker of a hierarchical exchange sends per step: every shard but its own (`mine` elements)
+    to its host's other ranks, its payload to other hosts, and its shard of the update back to the host."""
+    return 4 * (num_elements - mine) + cross_host_bytes + allgather_bytes(4 * mine, local_size)
 
 
 def plan(compressor, bucket):
@@ -603,9 +608,10 @@ class HierarchicalDense:
         mine = self.splits[hosts.local_rank]
         self.cross = plan_dense(compression, [(mine,)], [tf.float32], hosts.cross_rank, hosts.cross_size,
                                 hosts.cross, hvd.Average, 1.0, fusion_threshold_bytes, name + ".cross")
-        self.cross_host_bytes = self.cross.bytes_sent if mine and hosts.cross_size > 1 else 0.0
-        self.bytes_sent = (4 * (sum(self.sizes) - mine) + self.cross_host_bytes
-                           + allgather_bytes(4 * mine, hosts.local_size))
+        #: whether this rank's shard travels to other hosts (else the host's mean is the update)
+        self.crosses = mine > 0 and hosts.cross_size > 1
+        self.cross_host_bytes = self.cross.bytes_sent if self.crosses else 0.0
+        self.bytes_sent = hierarchical_bytes(sum(self.sizes), mine, self.cross_host_bytes, hosts.local_size)
 
     def __call__(self, tensors):
         if not tensors:
@@ -614,7 +620,7 @@ class HierarchicalDense:
         flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
         mean = ordered_shard_mean(flat, self.splits, hosts.local_rank, hosts.local_size, hosts.local,
                                   self.name + ".local")
-        if self.cross_host_bytes:
+        if self.crosses:
             (mean,) = self.cross([mean])
         gathered = hvd.allgather(mean, process_set=hosts.local, name=self.name + ".local.allgather")
         if self.scale != 1:
