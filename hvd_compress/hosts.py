@@ -10,10 +10,21 @@ exists (the user's own, or one made for an earlier plan) is used as it is, so a 
 coexist with these. Adding sets after `hvd.init` needs Horovod's dynamic process sets:
 `hvd.init(process_sets="dynamic")`, or HOROVOD_DYNAMIC_PROCESS_SETS=1 in the ranks' environment
 (which also allows passing sets of one's own to hvd.init).
+
+A step of a hierarchical exchange ends inside the host (the allgather in the local set), so ranks
+on different hosts finish their last step at different moments, and Horovod shuts every rank down
+as soon as one rank shuts down (at its exit): the collectives still pending on another host would
+fail. Every resolve therefore registers `meet_at_exit`, which runs before Horovod's own
+shutdown and waits for every rank.
 """
+import atexit
 import os
+import threading
 
 import horovod.tensorflow as hvd
+import tensorflow as tf
+
+EXIT_WAIT_SECONDS = 60.0
 
 
 def check_hosts_can_be_planned(process_set):
@@ -62,6 +73,30 @@ class HostSets:
                                   (self.cross, made["cross", self.local_rank])):
             placeholder.ranks, placeholder.process_set_id = real.ranks or list(range(hvd.size())), real.process_set_id
         self.resolved = True
+        # Registered again at every plan: atexit runs the newest first, and hvd.init (again after an elastic
+        # reset) registers Horovod's shutdown.
+        atexit.unregister(meet_at_exit)
+        atexit.register(meet_at_exit)
+
+
+def meet_at_exit(timeout=EXIT_WAIT_SECONDS):
+    """At the exit of a process that ran hierarchical steps: one global allreduce, so that no rank shuts
+    Horovod down (which shuts down every rank) while a rank of another host still finishes its last
+    step's collectives inside its host. A rank that exits on an error, while the others wait in a step,
+    gives up after `timeout` seconds and exits; Horovod's shutdown then fails the others' step."""
+    if not hvd.is_initialized():
+        return
+    met = threading.Event()
+
+    def meet():
+        try:
+            hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hc.hosts.exit")
+        except Exception:  # Horovod already shut down by another rank: nothing left to wait for
+            pass
+        met.set()
+
+    threading.Thread(target=meet, daemon=True).start()
+    met.wait(timeout)
 
 
 def unresolved_process_set():

@@ -47,6 +47,15 @@ def test_a_checkpoint_at_2x2_resumes_exactly_there_and_afresh_at_1x2_and_2x1(tmp
         assert any("reset its per-rank and sharded state" in line for line in other[0]["logged"]), other[0]["logged"]
 
 
+def test_a_host_that_finishes_first_waits_at_exit_for_the_others(tmp_path):
+    """A hierarchical step ends inside the host, and one rank's exit shuts Horovod down on every rank, failing
+    what another host still has in flight: at 2x1, rank 1 leaves only after rank 0 (3 s slower) is done."""
+    results = run_hosts("hierarchical.py", "--mode=save", "--steps=2", f"--work_dir={tmp_path}", "--slow_rank=0",
+                        ranks_per_host=(1, 1))
+    assert len({r["digest"] for r in results}) == 1
+    assert float((tmp_path / "exit1").read_text()) >= results[0]["finished"]
+
+
 @pytest.mark.parametrize("keras", list(KERASES))
 def test_model_fit_trains_hierarchically_under_mixed_precision_with_ranks_identical_after_every_batch(keras):
     """As users run it, in either Keras: model.fit, mixed_float16 (compile's LossScaleOptimizer), AdamW with 1-bit Adam

@@ -6,7 +6,11 @@ The reference: every rank's worker-side value a_i (dist-EF-SGD: lr times its Nes
 its gradient); each host's mean, added in local-rank order (float32) times float32(1 / L); local rank l
 exchanges shard l of its host's mean, with its error feedback e (h = mean_l + s e), with local rank l of
 every other host by the compressor's flat exchange; every rank applies the gathered shards."""
+import atexit
 import hashlib
+import os
+import pathlib
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -26,6 +30,8 @@ flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume", "fit"]
                   "tf.train.Checkpoint under --work_dir and trains --steps more (the uninterrupted run); resume: "
                   "reads rank r's checkpoint and trains those --steps.")
 flags.DEFINE_string("work_dir", None, "save, resume: where the ranks' checkpoints are.")
+flags.DEFINE_integer("slow_rank", -1, "save: this rank sleeps 3 s after its last step (a slow host), and every rank "
+                     "writes the time it exits at to --work_dir/exit<rank>, after hvd_compress's exit handler.")
 FLAGS = flags.FLAGS
 
 
@@ -192,8 +198,10 @@ def checkpointed(mode):
         if mode == "save" and t == FLAGS.steps:
             checkpoint.write(path)
         step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    if hvd.rank() == FLAGS.slow_rank:
+        time.sleep(3)
     return dict(digest=hashlib.sha256(w.numpy().tobytes()).hexdigest(), moved=float(np.abs(w.numpy()).max()),
-                logged=logged.lines)
+                logged=logged.lines, finished=time.time())
 
 
 def fit():
@@ -217,6 +225,9 @@ def fit():
 
 
 def main(_):
+    if FLAGS.slow_rank >= 0:  # registered before hvd.init and hvd_compress's handler: runs after both
+        exited = pathlib.Path(FLAGS.work_dir, f"exit{os.environ['HOROVOD_RANK']}")
+        atexit.register(lambda: exited.write_text(str(time.time())))
     hvd.init()
     if FLAGS.mode == "fit":
         return report(hvd, **fit())
