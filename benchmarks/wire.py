@@ -53,7 +53,9 @@ it TCP payload). Per model, N and method the table shows:
   the rank receives (66 B per one or two segments: +2.3% to +4.6%), about +7%
   in all. The shaping charges that: tbf counts every segment's headers, so
   100mbit carries at most 95.6 Mbit/s of payload.
-- fp32 bytes / method bytes: Horovod fp32 ring-allreduce bytes over the accounted bytes.
+- host link bytes vs Horovod fp32: Horovod fp32's host link tx bytes per step (same run, link,
+  layout and model) over the row's; on hosts of several ranks this counts what hierarchical
+  exchanges save inside the host, which the accounted bytes of one rank do not show.
 Prints one markdown table per rate, the command that reproduces it, and
 writes every row (per-rank figures included) to --out.
 
@@ -355,10 +357,11 @@ def render(rows):
     old = bool({r["method"] for r in rows} & {"fp32", "hc_fp32", "hc_fp16"})
     horovod = {p: p if old else f"horovod_{p}" for p in ("fp32", "fp16")}
 
-    def versus(r, method):
+    def versus(r, method, field="step_ms"):
+        """`method`'s r[field] in the same link, layout and model over r's (how many times r is faster or smaller)."""
         key = lambda x: (x["rate"], layout_of(x), x["model"], x["method"])  # noqa: E731
         base = next((x for x in rows if key(x) == (*key(r)[:3], method)), None)
-        return results.times(base["step_ms"] / r["step_ms"]) if base else "-"
+        return results.times(base[field] / r[field]) if base and base.get(field) and r.get(field) else "-"
 
     r0 = rows[0]
     models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
@@ -368,11 +371,11 @@ def render(rows):
             f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step.")
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
-         "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "fp32 bytes / method bytes"],
+         "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "host link bytes vs Horovod fp32"],
         [[r["rate"], layout_of(r), r["model"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
           versus(r, horovod["fp16"]), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
-          f"{r['fp32_allreduce'] / r['accounted']:.1f}x"] for r in rows],
+          versus(r, horovod["fp32"], "veth_tx_bytes")] for r in rows],
         align=["l", "l", "l", "l"] + ["r"] * 7)
     return f"{note}\n\n{table}"
 
