@@ -110,21 +110,22 @@ def check_identical_per_world_size(results, world_sizes):
         assert len(digests) == int(case.split("/")[0]) and len(set(digests)) == 1, (case, digests)
 
 
-def run_elastic(worker, *args, np=3, min_np=2, timeout=300, env=None):
-    """Runs tests/workers/<worker> as an elastic Gloo job on this machine: starts with `np` slots;
-    the host-discovery script answers `localhost:<the number in $HC_SLOTS_FILE>`, a file the
-    worker may rewrite to resize the world. Returns the result dicts of the ranks at the end (the
-    worker must end at `np` ranks). A removed rank aborts itself (Horovod's way), which is not a
-    failure of the job."""
+def run_elastic(worker, *args, hosts=("localhost:3",), min_np=2, timeout=300, env=None):
+    """Runs tests/workers/<worker> as an elastic Gloo job on this machine: starts with `hosts` ("name:slots",
+    names of this machine: localhost, 127.0.0.1, which Horovod takes for two hosts); the host-discovery script
+    answers the lines of the file $HC_SLOTS_FILE, which the worker may rewrite to resize the world. Returns
+    the result dicts of the ranks at the end (the worker must end with `hosts`' slots). A removed rank aborts
+    itself (Horovod's way), which is not a failure of the job."""
+    np = sum(int(h.split(":")[1]) for h in hosts)
     with tempfile.TemporaryDirectory(prefix="hvdslots-") as slots_dir:
         slots = pathlib.Path(slots_dir) / "slots"
-        slots.write_text(f"{np}\n")
+        slots.write_text("".join(f"{h}\n" for h in hosts))
         cmd = [*LAUNCHER, "-np", str(np), "--min-np", str(min_np), "--max-np", str(np),
                "--host-discovery-script", str(WORKERS / "discover_hosts.sh"), "--network-interface", "lo",
                "--gloo", "--elastic-timeout", "60"]
         # Survivors wait in hvd.init() while a new worker imports TensorFlow: longer than Gloo's 30 s.
         env = dict(env or {}, HC_SLOTS_FILE=str(slots), HOROVOD_GLOO_TIMEOUT_SECONDS="120")
-        return _launch(cmd, worker, args, np, f"{worker}, elastic from {np} ranks", timeout, env)
+        return _launch(cmd, worker, args, np, f"{worker}, elastic from {','.join(hosts)}", timeout, env)
 
 
 def _launch(launcher_cmd, worker, args, np, what, timeout, env):

@@ -439,3 +439,37 @@ def block_quantize_decode_mean(packed_list, scales_list, offsets_list, bounds, b
             acc = acc + block_quantize_decode(packed, scales, offsets, bounds, bits)
         mean = acc / np.float32(len(packed_list))
         return mean if plus is None else mean + np.asarray(plus, np.float32)
+
+
+def two_way_quantized_means(inputs, bounds, cuts, bits, stochastic, error_feedback, draws):
+    """The two-way quantized exchange (hvd_compress/quantize.py's rule) over steps: inputs[t][r] is rank r's
+    vector at step t; every worker quantizes its input + e (blocks `bounds`, draws `draws(r, False, t)`), shard
+    j's owner (elements cuts[j]:cuts[j + 1]) averages the ranks' decodes of shard j in rank order, adds its
+    residual and quantizes again (`draws(j, True, t)`); the mean D of each step is the owners' decodes, joined."""
+    size, d = len(inputs[0]), int(cuts[-1])
+    e = [np.zeros(d, np.float32) for _ in range(size)]
+    e_server = [np.zeros(cuts[j + 1] - cuts[j], np.float32) for j in range(size)]
+    out = []
+    for t, step_inputs in enumerate(inputs):
+        decoded = []  # each worker's decode, whose shards the owners average
+        for r, x in enumerate(step_inputs):
+            packed, scales, offsets, residual = block_quantize_compress(x + e[r], bounds, bits, stochastic,
+                                                                        draws(r, False, t))
+            decoded.append(block_quantize_decode(packed, scales, offsets, bounds, bits))
+            if error_feedback:
+                e[r] = residual
+        pieces = []
+        for j in range(size):
+            lo, hi = cuts[j], cuts[j + 1]
+            shard_bounds = bounds[(bounds >= lo) & (bounds <= hi)] - lo
+            acc = np.zeros(hi - lo, np.float32)
+            for r in range(size):  # the decode_mean's order: acc += each rank's decode, / m, + e_s
+                acc = acc + decoded[r][lo:hi]
+            mean = acc / np.float32(size) + e_server[j] if error_feedback else acc / np.float32(size)
+            packed, scales, offsets, residual = block_quantize_compress(mean, shard_bounds, bits, stochastic,
+                                                                        draws(j, True, t))
+            if error_feedback:
+                e_server[j] = residual
+            pieces.append(block_quantize_decode(packed, scales, offsets, shard_bounds, bits))
+        out.append(np.concatenate(pieces))
+    return out

@@ -125,26 +125,39 @@ def test_three_ranks_resume_on_two(tmp_path):
                                  same_world=False)
 
 
-@pytest.mark.parametrize("keras", list(KERASES))
-def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras):
-    """3 ranks, 2 after epoch 2, 3 again after epoch 5 (hc.elastic.KerasState, Horovod's callbacks)."""
-    results = run_elastic("elastic.py", "--epochs=8", "--shrink_at=2", "--grow_at=5", np=3, env=KERASES[keras])
+@pytest.mark.parametrize("keras, hierarchical", [("tf_keras", False), ("keras3", True)])
+def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras, hierarchical):
+    """hc.elastic.KerasState with Horovod's callbacks, in model.fit: 3 ranks, 2 after epoch 2, 3 again after
+    epoch 5; hierarchical: 2 hosts of 2 ranks, one host (1x2) after epoch 2, both again after epoch 5."""
+    hosts, shrunk = (["localhost:2", "127.0.0.1:2"], ["localhost:2"]) if hierarchical else (["localhost:3"],
+                                                                                            ["localhost:2"])
+    results = run_elastic("elastic.py", "--epochs=8", "--shrink_at=2", "--grow_at=5",
+                          f"--start_hosts={','.join(hosts)}", f"--shrunk_hosts={','.join(shrunk)}",
+                          f"--hierarchical_exchange={hierarchical}", hosts=hosts,
+                          env={**KERASES[keras], "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, timeout=420)
+    full = len(results)
     assert len({r["weights"] for r in results}) == 1  # identical ranks at the end (and after every batch)
-    survivors, newcomer = results[:2], results[2]
+    survivors, newcomers = results[:2], results[2:]
     for rank, result in enumerate(survivors):
         assert [e["epoch"] for e in result["epochs"]] == list(range(1, 9))
-        assert [e["size"] for e in result["epochs"]] == [3, 3, 2, 2, 2, 3, 3, 3]
-        assert [r["size"] for r in result["resets"]] == [2, 3]
+        assert [e["size"] for e in result["epochs"]] == [full] * 2 + [2] * 3 + [full] * 3
+        if hierarchical:
+            assert [e["layout"] for e in result["epochs"]] == ["2x2"] * 2 + ["1x2"] * 3 + ["2x2"] * 3
+        assert [r["size"] for r in result["resets"]] == [2, full]
         for reset in result["resets"]:
             assert reset["rank_state_fresh"] and reset["replicated_kept"], reset
-            assert reset["owner"] == [rank, reset["size"], 1]  # (rank, world size, ranks per host of the plan)
+            # (rank, world size, ranks per host of the plan)
+            assert reset["owner"] == [rank, reset["size"], 2 if hierarchical else 1]
         assert len(result["logged"]) == (2 if rank == 0 else 0), result["logged"]
         assert result["epochs"][-1]["loss"] < result["epochs"][0]["loss"]
-    assert [e["epoch"] for e in newcomer["epochs"]] == [6, 7, 8] and newcomer["resets"] == []
-    assert newcomer["pid"] not in {r["pid"] for r in survivors}
+    for newcomer in newcomers:
+        assert [e["epoch"] for e in newcomer["epochs"]] == [6, 7, 8] and newcomer["resets"] == []
+        assert newcomer["pid"] not in {r["pid"] for r in survivors}
+    if hierarchical:
+        return
     # Each size has its own shards of the same buckets: rank r holds shard r of shard_cuts(d, n).
     buckets = [sum(shards) for shards in zip(*(r["epochs"][0]["shards"] for r in survivors),
-                                             newcomer["epochs"][0]["shards"])]
+                                             newcomers[0]["epochs"][0]["shards"])]
     for rank, result in enumerate(results):
         for epoch in result["epochs"]:
             cuts = [shard_cuts(d, epoch["size"]) for d in buckets]

@@ -8,14 +8,15 @@ from hvdrun import KERASES, run_hosts
 
 @pytest.mark.parametrize("ranks_per_host", [(2,), (1, 1), (2, 2), (3, 3)], ids=["1x2", "2x1", "2x2", "2x3"])
 def test_hierarchical_rules_match_the_numpy_reference_on_every_rank(ranks_per_host):
-    """onebit (two-way; one-way in blocks), top-k, random-k, PowerSGD (whole tensors to one rank of a host),
+    """onebit (two-way; one-way in blocks), top-k, random-k, PowerSGD (whole tensors to one rank of a host), the
+    quantizer (4 bits stochastic, 8 bits rounded without feedback), sketched SGD and FetchSGD (on each rank's shard),
     1-bit Adam and AdamW (bit for bit), none and fp16 (Horovod's hierarchical allreduce, in float32 or 16 bits
     across hosts): every rank equals the reference and all ranks end bit-identical; Horovod saw the layout."""
     results = run_hosts("hierarchical.py", ranks_per_host=ranks_per_host, timeout=400)
     hosts, local = len(ranks_per_host), ranks_per_host[0]
     assert [tuple(r["layout"]) for r in results] == [(l, local, h, hosts) for h in range(hosts) for l in range(local)]
     assert all(r["digests"] == results[0]["digests"] for r in results)
-    assert len(results[0]["digests"]) == 9
+    assert len(results[0]["digests"]) == 13
 
 
 def test_hosts_of_unequal_sizes_are_refused_with_the_fix():

@@ -2,23 +2,28 @@
 keras.models.load_model and with hc.load_model, and trains on (workers/model_files.py).
 
 Three launches: Keras 3 on 3 ranks under mixed_float16, tf_keras on 2 ranks under mixed_float16 and
-on 3 ranks in float32, each giving every optimizer class of keras.optimizers (and a registered
+on 3 hosts of one rank in float32 with hierarchical=True, each giving every optimizer class of keras.optimizers (and a registered
 subclass with an argument of its own) one of the four methods, rotated over the launches: every
 class meets three methods, and every method several classes in each Keras (a method it meets in
 one Keras only goes through the same wrapper code in the other)."""
 import pytest
 
-from hvdrun import KERASES, run_ranks
+from hvdrun import KERASES, run_hosts, run_ranks
 
-LAUNCHES = [("keras3", 3, "mixed_float16", 0), ("tf_keras", 2, "mixed_float16", 1), ("tf_keras", 3, "float32", 2)]
+#: (Keras, ranks, policy, rotation, hierarchical)
+LAUNCHES = [("keras3", 3, "mixed_float16", 0, False), ("tf_keras", 2, "mixed_float16", 1, False),
+            ("tf_keras", 3, "float32", 2, True)]
 
 
-@pytest.fixture(scope="module", params=LAUNCHES, ids=lambda launch: f"{launch[0]}-{launch[1]}ranks-{launch[2]}")
+@pytest.fixture(scope="module", params=LAUNCHES,
+                ids=lambda launch: f"{launch[0]}-{launch[1]}{'hosts' if launch[4] else 'ranks'}-{launch[2]}")
 def launch(request, tmp_path_factory):
-    keras, ranks, policy, rotation = request.param
-    results = run_ranks("model_files.py", f"--work_dir={tmp_path_factory.mktemp('files')}", f"--policy={policy}",
-                        f"--rotation={rotation}", np=ranks, timeout=900, env=KERASES[keras])
-    return request.param, results
+    keras, ranks, policy, rotation, hierarchical = request.param
+    args = ("model_files.py", f"--work_dir={tmp_path_factory.mktemp('files')}", f"--policy={policy}",
+            f"--rotation={rotation}", f"--hierarchical={hierarchical}")
+    results = (run_hosts(*args, ranks_per_host=(1,) * ranks, timeout=900, env=KERASES[keras]) if hierarchical else
+               run_ranks(*args, np=ranks, timeout=900, env=KERASES[keras]))
+    return request.param[:4], results
 
 
 def test_every_optimizer_class_comes_back_distributed_from_every_loader(launch):

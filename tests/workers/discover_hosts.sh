@@ -1,3 +1,4 @@
 #!/bin/sh
-# Horovod host discovery for elastic tests: this machine, with as many slots as $HC_SLOTS_FILE says.
-echo "localhost:$(cat "$HC_SLOTS_FILE")"
+# Horovod host discovery for elastic tests: the hosts and slots in $HC_SLOTS_FILE, one "host:slots" per line
+# (hosts of this machine: localhost, 127.0.0.1).
+cat "$HC_SLOTS_FILE"

@@ -1,12 +1,13 @@
-"""Elastic training as Horovod users write it, with hc.elastic.KerasState: the world goes from 3
-ranks to 2 and back to 3 in the middle of model.fit.
+"""Elastic training as Horovod users write it, with hc.elastic.KerasState: the world goes from
+--start_hosts (3 ranks on one host; or 2 hosts of 2 ranks, hierarchical) to --shrunk_hosts (2 ranks;
+one host of 2) and back in the middle of model.fit.
 
-Run under `horovodrun --min-np 2 --max-np 3 --host-discovery-script discover_hosts.sh`
-(tests/hvdrun.run_elastic). Rank 0 writes the new slot count into $HC_SLOTS_FILE at the end of
-epochs --shrink_at and --grow_at and waits until Horovod's driver has notified it, so that the
-resize lands at that epoch's commit. After every batch all ranks must hold identical weights; at
-every epoch end each rank records the world size, its shards and the loss; in every reset it
-records whether its per-rank state started afresh and its replicated state was kept.
+Run under `horovodrun --min-np 2 --host-discovery-script discover_hosts.sh` (tests/hvdrun.run_elastic).
+Rank 0 writes the new hosts into $HC_SLOTS_FILE at the end of epochs --shrink_at and --grow_at and
+waits until Horovod's driver has notified it, so that the resize lands at that epoch's commit. After
+every batch all ranks must hold identical weights; at every epoch end each rank records the world size,
+its shards, the host layout and the loss; in every reset it records whether its per-rank state started
+afresh and its replicated state was kept.
 """
 import hashlib
 import os
@@ -22,17 +23,22 @@ import hvd_compress as hc
 from _worker import LoggedLines, report, weights_digest
 
 flags.DEFINE_integer("epochs", 8, "Epochs in all.")
-flags.DEFINE_integer("shrink_at", 2, "After this epoch the world shrinks to 2 ranks.")
-flags.DEFINE_integer("grow_at", 5, "After this epoch the world grows back to 3 ranks.")
+flags.DEFINE_integer("shrink_at", 2, "After this epoch the world shrinks to --shrunk_hosts.")
+flags.DEFINE_integer("grow_at", 5, "After this epoch the world grows back to --start_hosts.")
+flags.DEFINE_list("start_hosts", ["localhost:3"], "The hosts (host discovery's lines) at the start and after "
+                  "--grow_at.")
+flags.DEFINE_list("shrunk_hosts", ["localhost:2"], "The hosts between --shrink_at and --grow_at.")
+flags.DEFINE_bool("hierarchical_exchange", False, "hc.DistributedOptimizer(hierarchical=True) (horovodrun would "
+                  "take --hierarchical for its own options).")
 FLAGS = flags.FLAGS
-STEPS, BATCH = 4, 16
+STEPS, BATCH, MOST_RANKS = 4, 16, 4
 
 
 def digest(variables):
     return hashlib.sha256(b"".join(v.numpy().tobytes() for v in variables)).hexdigest()
 
 
-def set_slots(state, slots):
+def set_hosts(state, hosts):
     """Rank 0: changes the host-discovery answer and waits (up to 60 s) until the driver's
     notification has reached this coordinator, so the next commit raises the resize. Horovod
     ignores a host update in the same wall-clock second as the last one, hence the first wait.
@@ -41,7 +47,7 @@ def set_slots(state, slots):
         time.sleep(0.05)
     path = os.environ["HC_SLOTS_FILE"]
     with open(path + ".tmp", "w") as f:
-        f.write(f"{slots}\n")
+        f.write("".join(f"{h}\n" for h in hosts))
     os.replace(path + ".tmp", path)
     deadline = time.time() + 60
     while state._host_messages.empty() and time.time() < deadline:
@@ -64,11 +70,12 @@ class Record(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         exchange = self.model.optimizer.compression_exchange
         self.epochs.append(dict(epoch=self.state.epoch, size=hvd.size(), loss=float(logs["loss"]),
-                                shards=[int(v.shape[0]) for v in exchange.server_residuals]))
+                                shards=[int(v.shape[0]) for v in exchange.server_residuals],
+                                layout=exchange.hosts.layout if exchange.hosts else None))
         self.replicated_at_epoch_end = digest(self.model.optimizer.variables)
-        slots = {FLAGS.shrink_at: 2, FLAGS.grow_at: 3}.get(self.state.epoch)
-        if hvd.rank() == 0 and slots is not None:
-            set_slots(self.state, slots)
+        hosts = {FLAGS.shrink_at: FLAGS.shrunk_hosts, FLAGS.grow_at: FLAGS.start_hosts}.get(self.state.epoch)
+        if hvd.rank() == 0 and hosts is not None:
+            set_hosts(self.state, hosts)
 
     def on_reset(self):
         """Runs after hc.elastic.KerasState's own reset callback (the re-plan), survivors only."""
@@ -88,13 +95,14 @@ def main(_):
     model = keras.Sequential([keras.layers.Input((29,)), keras.layers.Dense(37, activation="relu"),
                               keras.layers.Dense(23, activation="relu"), keras.layers.Dense(5)])
     model.compile(optimizer=hc.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                                    compression=hc.Compression.onebit(), min_compress_size=64),
+                                                    compression=hc.Compression.onebit(), min_compress_size=64,
+                                                    hierarchical=FLAGS.hierarchical_exchange),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     state = hc.elastic.KerasState(model, batch=0, epoch=0)
     record = Record(state)
     state.register_reset_callbacks([record.on_reset])
     rng = np.random.default_rng(1234)
-    x = rng.standard_normal((3 * STEPS * BATCH, 29)).astype(np.float32)
+    x = rng.standard_normal((MOST_RANKS * STEPS * BATCH, 29)).astype(np.float32)
     y = (x[:, :5] @ rng.standard_normal((5, 5))).argmax(1)
 
     @hvd.elastic.run

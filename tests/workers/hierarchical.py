@@ -19,7 +19,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
-from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of
+from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of, quantize_draws
 from _worker import IdenticalRanks, LoggedLines, report
 
 flags.DEFINE_integer("steps", 5, "Optimizer steps (the rate drops after step 2).")
@@ -108,6 +108,67 @@ def reference(kind, hosts, local, compression):
                     total += sent
                 update[lo:hi] = total / np.float32(hosts)
         ref.keras_sgd(x, m_sgd, update, rate(t), MU, True)
+    return x
+
+
+def reference_quantize(hosts, local, compression):
+    """Hierarchical Compression.quantize on w: local rank l's shard of each host's mean goes through the two-way
+    quantized exchange among the hosts (its blocks cut at the hosts' shards, its draws keyed by the host),
+    error feedback on that shard; Keras SGD on the joined update."""
+    d, steps = int(np.prod(SHAPE)), range(FLAGS.steps)
+    cuts = ref.shard_cuts(d, local)
+    means = [ref.host_means([grads_of(r, t)[0].reshape(-1) for r in range(hosts * local)], hosts, local)
+             for t in steps]
+    updates = [np.zeros(d, np.float32) for _ in steps]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if lo == hi:
+            continue
+        inputs = [[host_means[h][lo:hi] for h in range(hosts)] for host_means in means]
+        if hosts == 1:  # nothing crosses a host
+            shard_updates = [step_inputs[0] for step_inputs in inputs]
+        else:
+            server_cuts = ref.shard_cuts(hi - lo, hosts)
+            bounds = np.union1d(hc.ops.layout_bounds([hi - lo], compression.block_size), server_cuts)
+            shard_updates = ref.two_way_quantized_means(inputs, bounds, server_cuts, compression.bits,
+                                                        compression.stochastic, compression.error_feedback,
+                                                        quantize_draws(compression))
+        for update, shard in zip(updates, shard_updates):
+            update[lo:hi] = shard
+    x, m = np.zeros(d, np.float32), np.zeros(d, np.float32)
+    for t in steps:
+        ref.keras_sgd(x, m, updates[t], rate(t), MU, True)
+    return x
+
+
+def run_sketch(compression):
+    """Hierarchical sketched SGD or FetchSGD on w alone: w's final values, and this rank's shard (elements lo:hi)
+    with its sketch exchange across hosts (None where nothing crosses)."""
+    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
+    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True), compression=compression,
+                                  hierarchical=True)
+    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
+    for t in range(FLAGS.steps):
+        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    hierarchical = opt.compression_exchange.exchanges[0]
+    lo = sum(hierarchical.splits[:hvd.local_rank()])
+    return w.numpy().reshape(-1), (lo, lo + hierarchical.splits[hvd.local_rank()]), hierarchical.inner
+
+
+def reference_sketch_of_the_shard(hosts, local, shard, sketch):
+    """What a hierarchical sketch gives this rank's shard: every step of the sketch is linear in what the ranks
+    put in, so it is the flat rule (np_reference) on the shard of the mean of all ranks' gradients, with the shard's
+    own k and sketch."""
+    lo, hi = shard
+    c = sketch.compressor
+    if c.mode == "fetchsgd":
+        model = ref.FetchSGD(hi - lo, sketch.k, sketch.rows, sketch.cols, c.hash_seed(), MU, True)
+    else:
+        model = ref.SketchedSGD(hi - lo, sketch.k, sketch.rows, sketch.cols, sketch.num_candidates, c.hash_seed(),
+                                MU, True, c.second_round, c.apply_candidates, c.mask_momentum)
+    x = np.zeros(hi - lo, np.float32)
+    for t in range(FLAGS.steps):
+        mean = np.mean([grads_of(r, t)[0].reshape(-1) for r in range(hosts * local)], axis=0, dtype=np.float32)
+        model.step(x, mean[lo:hi], 0.1)
     return x
 
 
@@ -241,6 +302,9 @@ def main(_):
              "topk": ("topk", hc.Compression.topk(ratio=0.05)),
              "randomk": ("randomk", hc.Compression.randomk(ratio=0.05, seed=3)),
              "powersgd": ("powersgd", hc.Compression.powersgd(rank=3, seed=2)),
+             "quantize 4 bits": ("quantize", hc.Compression.quantize(bits=4, block_size=64, seed=3)),
+             "quantize 8 bits rounded, no feedback": ("quantize", hc.Compression.quantize(stochastic=False,
+                                                                                          error_feedback=False)),
              "none": ("none", hc.Compression.none), "fp16": ("fp16", hc.Compression.fp16)}
     digests = {}
     adam = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0),
@@ -250,9 +314,18 @@ def main(_):
         np.testing.assert_array_equal(w, reference_adam(hosts, local, compression, weight_decay),
                                       err_msg=f"{hosts}x{local} {name}")
         digests[name] = hashlib.sha256(w.tobytes()).hexdigest()
+    for name, compression in {"sketch": hc.Compression.sketch(ratio=6, seed=5),
+                              "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5)}.items():
+        w, (lo, hi), sketch = run_sketch(compression)
+        if sketch is not None:  # (one host: the host's mean is the update, as "none" checks)
+            np.testing.assert_allclose(w[lo:hi], reference_sketch_of_the_shard(hosts, local, (lo, hi), sketch),
+                                       rtol=1e-4, atol=1e-5, err_msg=f"{hosts}x{local} {name}, shard {lo}:{hi}")
+            assert np.count_nonzero(w[lo:hi]) > sketch.k, name  # several steps of coordinates
+        digests[name] = hashlib.sha256(w.tobytes()).hexdigest()
     for name, (kind, compression) in cases.items():
         w, b = run(compression)
         want = (reference_dense(hosts, local, 0, half=kind == "fp16") if kind in ("none", "fp16") else
+                reference_quantize(hosts, local, compression) if kind == "quantize" else
                 reference(kind, hosts, local, compression))
         np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"{hosts}x{local} {name}")
         np.testing.assert_allclose(b, reference_dense(hosts, local, 1, half=kind == "fp16"), rtol=1e-5, atol=1e-6,

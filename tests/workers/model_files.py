@@ -30,6 +30,7 @@ flags.DEFINE_integer("rotation", 0, "Optimizer i gets method i + rotation (mod 4
 define_list_of("methods", METHODS, METHODS, "The methods rotated through.")
 flags.DEFINE_string("work_dir", None, "Where rank 0 saves.")
 flags.DEFINE_enum("policy", "float32", ["float32", "mixed_float16"], "Keras's dtype policy.")
+flags.DEFINE_bool("hierarchical", False, "Wrap with hierarchical=True (launched as hosts: tests/hvdrun.run_hosts).")
 FLAGS = flags.FLAGS
 KERAS3 = not tf.keras.__name__.startswith("tf_keras")  # TF_USE_LEGACY_KERAS decides, as for users
 if KERAS3:
@@ -119,7 +120,8 @@ def saved_and_loaded(cls, method, path):
     (format, loader, its model) for every loaded copy, with what the original had at the save."""
     model = new_model()
     optimizer = new_optimizer(cls)
-    wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64)
+    wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64,
+                                      hierarchical=FLAGS.hierarchical)
     assert wrapped is optimizer
     model.compile(optimizer=wrapped, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fit(model, 0)
@@ -144,7 +146,8 @@ def check(loaded, saved):
             "compression": repr(exchange.compression) if exchange else None,
             "same_compression": exchange is not None and repr(exchange.compression) == repr(
                 saved.compression_exchange.compression),
-            "same_settings": exchange is not None and exchange.min_compress_size == 64,
+            "same_settings": exchange is not None and exchange.min_compress_size == 64
+            and exchange.hierarchical == FLAGS.hierarchical,
             "iterations": int(optimizer.iterations.numpy()), "saved_iterations": int(saved.iterations.numpy()),
             "scale": getattr(optimizer, "scale", None)}
 

@@ -13,7 +13,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from hvd_compress import exchange
 import np_reference as ref
-from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of
+from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of, quantize_draws
 from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
@@ -319,45 +319,14 @@ def quantize_grads(rank, step):
 
 
 def reference_quantize(c, size):
-    """The two-way quantized exchange in NumPy (hvd_compress/quantize.py's rule): per step, every
-    worker quantizes g + e (its draws keyed by bucket 0, its rank and the worker side), shard j's
-    owner averages the ranks' shard j, adds its residual and quantizes again (server side), and the
-    mean D is the concatenation of the owners' decodes."""
+    """The two-way quantized exchange in NumPy (np_reference.two_way_quantized_means) of quantize_grads:
+    the bucket's blocks and the ranks' shards, draws keyed by rank and side (bucket 0)."""
     sizes = [int(np.prod(s)) for s in QUANTIZE_SHAPES]
-    d = sum(sizes)
-    cuts = exchange.shard_cuts(d, size)
-    bounds = np.union1d(hc.ops.layout_bounds(sizes, c.block_size), cuts)
-
-    def draws(rank, server, step):
-        return (hc.compressor.seed_key(c.seed, rank * 2 + int(server)), step)
-
-    e = [np.zeros(d, np.float32) for _ in range(size)]
-    e_server = [np.zeros(cuts[j + 1] - cuts[j], np.float32) for j in range(size)]
-    out = []
-    for t in range(FLAGS.steps):
-        decoded = []  # each worker's decode, whose shards the owners average
-        for r in range(size):
-            a = np.concatenate([g.reshape(-1) for g in quantize_grads(r, t)]) + e[r]
-            packed, scales, offsets, residual = ref.block_quantize_compress(a, bounds, c.bits, c.stochastic,
-                                                                             draws(r, False, t))
-            decoded.append(ref.block_quantize_decode(packed, scales, offsets, bounds, c.bits))
-            if c.error_feedback:
-                e[r] = residual
-        pieces = []
-        for j in range(size):
-            lo, hi = cuts[j], cuts[j + 1]
-            shard_bounds = bounds[(bounds >= lo) & (bounds <= hi)] - lo
-            acc = np.zeros(hi - lo, np.float32)
-            for r in range(size):  # the decode_mean's order: acc += each rank's decode, / m, + e_s
-                acc = acc + decoded[r][lo:hi]
-            mean = acc / np.float32(size) + e_server[j] if c.error_feedback else acc / np.float32(size)
-            packed, scales, offsets, residual = ref.block_quantize_compress(mean, shard_bounds, c.bits, c.stochastic,
-                                                                             draws(j, True, t))
-            if c.error_feedback:
-                e_server[j] = residual
-            pieces.append(ref.block_quantize_decode(packed, scales, offsets, shard_bounds, c.bits))
-        out.append(np.concatenate(pieces))
-    return out
+    cuts = exchange.shard_cuts(sum(sizes), size)
+    inputs = [[np.concatenate([g.reshape(-1) for g in quantize_grads(r, t)]) for r in range(size)]
+              for t in range(FLAGS.steps)]
+    return ref.two_way_quantized_means(inputs, np.union1d(hc.ops.layout_bounds(sizes, c.block_size), cuts), cuts,
+                                       c.bits, c.stochastic, c.error_feedback, quantize_draws(c))
 
 
 def check_quantize(process_set, digests):
