@@ -99,6 +99,11 @@ class AdaptiveCompression(StatefulCompressor):
     def compresses(self, shape):
         return self.high.compresses(shape)
 
+    @property
+    def splits_tensors(self):
+        """Whether a hierarchical exchange may cut a bucket into flat pieces: where both settings can."""
+        return all(getattr(setting, "splits_tensors", True) for setting in self.settings if setting is not None)
+
     def __repr__(self):
         low = "Compression.none" if self.low is None else repr(self.low)
         return f"Accordion(low={low}, high={self.high!r})"

@@ -336,9 +336,16 @@ class Hierarchical(Exchange):
         inner_state = tuple(spec._replace(scope=PER_RANK) if spec.scope == REPLICATED else spec
                             for spec in (self.inner.state if self.inner is not None else ()))
         self.state = inner_state + ((StateSpec("host_residual", (mine,), PER_RANK),) if self.feedback else ())
-        #: what one worker sends to other hosts per step
-        self.cross_host_bytes = self.inner.bytes_sent if self.inner is not None else 0.0
-        self.bytes_sent = hierarchical_bytes(bucket.num_elements, mine, self.cross_host_bytes, local_size)
+
+    @property
+    def cross_host_bytes(self):
+        """What one worker sends to other hosts per step (Accordion's inner exchange: at its current setting)."""
+        return self.inner.bytes_sent if self.inner is not None else 0.0
+
+    @property
+    def bytes_sent(self):
+        return hierarchical_bytes(self.bucket.num_elements, self.splits[self.hosts.local_rank], self.cross_host_bytes,
+                                  self.hosts.local_size)
 
     def residual(self, state):
         inner = self.inner.residual({s.name: state[s.name] for s in self.inner.state}) if self.inner else []

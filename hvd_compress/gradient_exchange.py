@@ -135,8 +135,6 @@ class GradientExchange(tf.Module):
             raise ValueError(f"This optimizer already ran a step with {self.compression!r}; Accordion "
                              "plans both of its settings at the first step. Add the callback to the "
                              "first model.fit of a new or freshly loaded optimizer.")
-        if self.hierarchical:
-            raise ValueError("Accordion does not run on a hierarchical exchange yet: use hierarchical=False with it.")
         if self.monitor is not None and repr(detector) != repr(self.monitor):
             raise ValueError(f"This optimizer is already watched by {self.monitor!r}; use one Accordion "
                              "callback (compression or batch size) per optimizer.")

@@ -4,7 +4,7 @@ import pytest
 
 import hvd_compress as hc
 from hvd_compress.accordion import AdaptiveCompression, RegimeDetector, critical_regime
-from hvdrun import KERASES, run_ranks
+from hvdrun import KERASES, run_hosts, run_ranks
 
 
 def test_a_layer_is_critical_when_its_norm_changes_by_eta_or_the_rate_drops():
@@ -71,12 +71,15 @@ def test_mpi_ranks_switch_alike():
     assert results[0]["digests"] == results[1]["digests"]
 
 
-@pytest.mark.parametrize("keras", list(KERASES))
+@pytest.mark.parametrize("keras", list(KERASES), ids=["tf_keras-2ranks", "keras3-2x2hierarchical"])
 def test_callback_decides_alike_on_every_rank_without_retracing(keras, request):
+    """tf_keras on 2 ranks; Keras 3 on 2 hosts of 2 ranks, hierarchical=True (each layer's PowerSGD settings across
+    hosts, by one rank of the host in turn)."""
     if keras == "tf_keras":
         ranks = request.getfixturevalue("tf_keras_checks")
     else:
-        ranks = run_ranks("accordion.py", "--checks=fit", np=2, env=KERASES[keras])
+        ranks = run_hosts("accordion.py", "--checks=fit", "--hierarchical", ranks_per_host=(2, 2), env=KERASES[keras],
+                          timeout=400)
     results = [r["fit"] for r in ranks]
     first = results[0]
     assert all(r["model"] == first["model"] and r["decisions"] == first["decisions"] for r in results)
@@ -94,7 +97,11 @@ def test_callback_decides_alike_on_every_rank_without_retracing(keras, request):
         per_step = first["dense_bytes"] + sum(b[0] if c else b[1] for b, c in zip(first["bytes_by_setting"], choice))
         total, start, choice = total + (end - start) * per_step, end, critical
     assert logs["cumulative_bytes"][-1] == pytest.approx(total)
-    assert logs["cumulative_bytes"][-1] < 5 * first["steps_per_epoch"] * first["uncompressed_bytes"] / 4
+    if first["cross_host_bytes_by_setting"] is None:
+        assert logs["cumulative_bytes"][-1] < 5 * first["steps_per_epoch"] * first["uncompressed_bytes"] / 4
+    else:  # what host 0's ranks send to the other host at the high setting (a rank's own bytes hold the host's)
+        across = sum(b[1] for rank in results[:2] for b in rank["cross_host_bytes_by_setting"])
+        assert 0 < across < first["uncompressed_bytes"] / 4
     assert "bytes_per_step" in logs
     for layer in ("conv2d_1/kernel", "dense/kernel"):  # Keras 3 names them by path: sequential/dense/kernel
         assert any(key.startswith("accordion_critical/") and key.endswith(f"/{layer}") for key in logs), layer

@@ -16,6 +16,7 @@ import np_reference as ref
 import update_rule as rule
 from _worker import define_list_of, report
 from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetector
+from hvd_compress.exchange import Hierarchical, hierarchical_bytes
 
 import digits
 
@@ -25,6 +26,7 @@ CHECKS = ["rules", "fit", "batch", "checkpoint"]
 define_list_of("checks", CHECKS, ["rules"], "What to run.")
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
 flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
+flags.DEFINE_bool("hierarchical", False, "fit: hc.DistributedOptimizer(hierarchical=True) (launched as hosts).")
 FLAGS = flags.FLAGS
 SCHEDULE = [LOW, HIGH, HIGH, LOW, HIGH, HIGH]  # one choice per step of rule.FLAGS.steps = 6
 
@@ -120,11 +122,12 @@ def fixed_batches(batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size), steps
 
 
-def compiled_cnn(compression=hc.Compression.none, lr=0.1):
+def compiled_cnn(compression=hc.Compression.none, lr=0.1, hierarchical=False):
     keras = tf.keras
     tf.keras.utils.set_random_seed(0)
     model = digits.cnn(keras, seed=0)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9, nesterov=True), compression=compression)
+    opt = hc.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9, nesterov=True), compression=compression,
+                                  hierarchical=hierarchical)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     count_traces(opt)
     return model, opt
@@ -150,18 +153,33 @@ def lr_drop_at(epoch, lr=0.1):
 def check_fit():
     keras = tf.keras
     train, steps = fixed_batches(32)
-    model, opt = compiled_cnn()
+    model, opt = compiled_cnn(hierarchical=FLAGS.hierarchical)
     accordion = hc.callbacks.Accordion(low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1),
                                        interval=7)
     history = model.fit(train, epochs=5, callbacks=[lr_drop_at(4), accordion, keras.callbacks.TerminateOnNaN()],
                         verbose=0)
     exchange = opt.compression_exchange
-    bytes_by_setting = [[choice.bytes_sent for choice in ex.choices] for ex in exchange.exchanges]
+    bytes_by_setting = [settings_bytes(ex) for ex in exchange.exchanges]
     return dict(model=digest(model.get_weights()), decisions=accordion.decisions,
                 traces=opt.traces,
                 logs={key: [float(v) for v in values] for key, values in history.history.items()},
                 bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
+                cross_host_bytes_by_setting=([settings_cross_host_bytes(ex) for ex in exchange.exchanges]
+                                             if FLAGS.hierarchical else None),
                 steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
+
+
+def settings_bytes(ex):
+    """What one worker sends per step with Accordion's low and with its high setting in this exchange."""
+    if not isinstance(ex, Hierarchical):
+        return [choice.bytes_sent for choice in ex.choices]
+    return [hierarchical_bytes(ex.bucket.num_elements, ex.splits[ex.hosts.local_rank], b, ex.hosts.local_size)
+            for b in settings_cross_host_bytes(ex)]
+
+
+def settings_cross_host_bytes(ex):
+    """Hierarchical: what one worker sends to other hosts per step at each setting."""
+    return [choice.bytes_sent for choice in ex.inner.choices] if ex.inner else [0.0, 0.0]
 
 
 def check_batch():
