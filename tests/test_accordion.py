@@ -66,11 +66,6 @@ def test_switching_keeps_error_feedback_and_matches_numpy(tf_keras_checks):
     assert all(r["rules"]["digests"] == tf_keras_checks[0]["rules"]["digests"] for r in tf_keras_checks)
 
 
-def test_mpi_ranks_switch_alike():
-    results = [r["rules"] for r in run_ranks("accordion.py", "--checks=rules", np=2, launcher="mpi")]
-    assert results[0]["digests"] == results[1]["digests"]
-
-
 @pytest.mark.parametrize("keras", list(KERASES), ids=["tf_keras-2ranks", "keras3-2x2hierarchical"])
 def test_callback_decides_alike_on_every_rank_without_retracing(keras, request):
     """tf_keras on 2 ranks; Keras 3 on 2 hosts of 2 ranks, hierarchical=True (each layer's PowerSGD settings across

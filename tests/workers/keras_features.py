@@ -37,7 +37,7 @@ define_list_of("methods", METHODS, METHODS, "Methods.")
 define_list_of("few_methods_rows", ROWS, [], "Matrix rows that run only the --few_methods of --methods.")
 define_list_of("few_methods", METHODS, METHODS, "The methods of the --few_methods_rows.")
 FLAGS = flags.FLAGS
-BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 3, 3, 300
+BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 2, 3, 300
 BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 
 
