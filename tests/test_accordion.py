@@ -73,7 +73,7 @@ def test_callback_decides_alike_on_every_rank_without_retracing(keras, request):
     if keras == "tf_keras":
         ranks = request.getfixturevalue("tf_keras_checks")
     else:
-        ranks = run_hosts("accordion.py", "--checks=fit", "--hierarchical", ranks_per_host=(2, 2), env=KERASES[keras],
+        ranks = run_hosts("accordion.py", "--checks=fit", "--hierarchical_exchange", ranks_per_host=(2, 2), env=KERASES[keras],
                           timeout=400)
     results = [r["fit"] for r in ranks]
     first = results[0]

@@ -20,7 +20,7 @@ LAUNCHES = [("keras3", 2, "mixed_float16", 0, False), ("tf_keras", 2, "mixed_flo
 def launch(request, tmp_path_factory):
     keras, ranks, policy, rotation, hierarchical = request.param
     args = ("model_files.py", f"--work_dir={tmp_path_factory.mktemp('files')}", f"--policy={policy}",
-            f"--rotation={rotation}", f"--hierarchical={hierarchical}")
+            f"--rotation={rotation}", f"--hierarchical_exchange={hierarchical}")
     results = (run_hosts(*args, ranks_per_host=(1,) * ranks, timeout=900, env=KERASES[keras]) if hierarchical else
                run_ranks(*args, np=ranks, timeout=900, env=KERASES[keras]))
     return request.param[:4], results

@@ -26,7 +26,8 @@ CHECKS = ["rules", "fit", "batch", "checkpoint"]
 define_list_of("checks", CHECKS, ["rules"], "What to run.")
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "checkpoint: which half.")
 flags.DEFINE_string("work_dir", None, "checkpoint: shared between the phases.")
-flags.DEFINE_bool("hierarchical", False, "fit: hc.DistributedOptimizer(hierarchical=True) (launched as hosts).")
+flags.DEFINE_bool("hierarchical_exchange", False, "fit: hc.DistributedOptimizer(hierarchical=True) (launched as hosts; "
+                  "horovodrun would take --hierarchical for its own options).")
 FLAGS = flags.FLAGS
 SCHEDULE = [LOW, HIGH, HIGH, LOW, HIGH, HIGH]  # one choice per step of rule.FLAGS.steps = 6
 
@@ -153,7 +154,7 @@ def lr_drop_at(epoch, lr=0.1):
 def check_fit():
     keras = tf.keras
     train, steps = fixed_batches(32)
-    model, opt = compiled_cnn(hierarchical=FLAGS.hierarchical)
+    model, opt = compiled_cnn(hierarchical=FLAGS.hierarchical_exchange)
     accordion = hc.callbacks.Accordion(low=hc.Compression.powersgd(rank=4), high=hc.Compression.powersgd(rank=1),
                                        interval=7)
     history = model.fit(train, epochs=5, callbacks=[lr_drop_at(4), accordion, keras.callbacks.TerminateOnNaN()],
@@ -165,7 +166,7 @@ def check_fit():
                 logs={key: [float(v) for v in values] for key, values in history.history.items()},
                 bytes_by_setting=bytes_by_setting, dense_bytes=exchange.dense_exchange.bytes_sent,
                 cross_host_bytes_by_setting=([settings_cross_host_bytes(ex) for ex in exchange.exchanges]
-                                             if FLAGS.hierarchical else None),
+                                             if FLAGS.hierarchical_exchange else None),
                 steps_per_epoch=steps, uncompressed_bytes=exchange.uncompressed_bytes)
 
 

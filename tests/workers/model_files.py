@@ -30,7 +30,8 @@ flags.DEFINE_integer("rotation", 0, "Optimizer i gets method i + rotation (mod 4
 define_list_of("methods", METHODS, METHODS, "The methods rotated through.")
 flags.DEFINE_string("work_dir", None, "Where rank 0 saves.")
 flags.DEFINE_enum("policy", "float32", ["float32", "mixed_float16"], "Keras's dtype policy.")
-flags.DEFINE_bool("hierarchical", False, "Wrap with hierarchical=True (launched as hosts: tests/hvdrun.run_hosts).")
+flags.DEFINE_bool("hierarchical_exchange", False, "Wrap with hierarchical=True (launched as hosts: tests/hvdrun.run_hosts; "
+                  "horovodrun would take --hierarchical for its own options).")
 FLAGS = flags.FLAGS
 KERAS3 = not tf.keras.__name__.startswith("tf_keras")  # TF_USE_LEGACY_KERAS decides, as for users
 if KERAS3:
@@ -121,7 +122,7 @@ def saved_and_loaded(cls, method, path):
     model = new_model()
     optimizer = new_optimizer(cls)
     wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64,
-                                      hierarchical=FLAGS.hierarchical)
+                                      hierarchical=FLAGS.hierarchical_exchange)
     assert wrapped is optimizer
     model.compile(optimizer=wrapped, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fit(model, 0)
@@ -147,7 +148,7 @@ def check(loaded, saved):
             "same_compression": exchange is not None and repr(exchange.compression) == repr(
                 saved.compression_exchange.compression),
             "same_settings": exchange is not None and exchange.min_compress_size == 64
-            and exchange.hierarchical == FLAGS.hierarchical,
+            and exchange.hierarchical == FLAGS.hierarchical_exchange,
             "iterations": int(optimizer.iterations.numpy()), "saved_iterations": int(saved.iterations.numpy()),
             "scale": getattr(optimizer, "scale", None)}
 
