@@ -19,6 +19,7 @@ sys.path.append(str(BENCHMARKS))
 import netns  # noqa: E402
 
 
+@pytest.mark.usefixtures("network_to_itself")
 @pytest.mark.timeout(240)
 def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     reason = netns.check_rights()

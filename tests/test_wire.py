@@ -49,6 +49,7 @@ def run_wire(tmp_path, *flags, timeout=240):
     return json.loads(out.read_text()), output
 
 
+@pytest.mark.usefixtures("network_to_itself")
 @pytest.mark.timeout(300)
 def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     rows, output = run_wire(tmp_path, "--ranks=2", "--methods=horovod_fp32,onebit,fp16,quantize8", "--steps=5",
@@ -70,6 +71,7 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     assert fp32 / 3.8 > rows["quantize8"]["accounted"] > fp32 / 4  # 8-bit codes, a scale and offset per 256
 
 
+@pytest.mark.usefixtures("network_to_itself")
 @pytest.mark.timeout(300)
 def test_ranks_of_a_host_share_its_link_and_horovod_sees_the_layout(tmp_path):
     """--hosts=2x2: two hosts of two ranks. Horovod's local and cross ranks are the layout's, and a
