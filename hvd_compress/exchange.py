@@ -221,6 +221,12 @@ class Switching(Exchange):
     def bytes_sent(self):
         return self.chosen.bytes_sent
 
+    @property
+    def cross_host_bytes(self):
+        """hierarchical: the chosen exchange's bytes to other hosts (a flat one, such as the warm-up's
+        full-precision mean, counts all it sends)."""
+        return getattr(self.chosen, "cross_host_bytes", self.chosen.bytes_sent)
+
     def _own(self, state, k):
         return {spec.name: state[f"{spec.name}@{k}"] for spec in self.choices[k].state}
 

@@ -330,9 +330,7 @@ class GradientExchange(tf.Module):
         """hierarchical: the bytes one worker sends to other hosts per step (the rest stays inside its host)."""
         if not self.hierarchical:
             raise ValueError("cross_host_bytes is counted for hierarchical=True; bytes_sent counts a flat exchange.")
-        chosen = [ex.chosen if isinstance(ex, exchange.Switching) else ex for ex in self.exchanges]
-        return (sum(getattr(ex, "cross_host_bytes", ex.bytes_sent) for ex in chosen)
-                + self.dense_exchange.cross_host_bytes)
+        return sum(ex.cross_host_bytes for ex in self.exchanges) + self.dense_exchange.cross_host_bytes
 
     @property
     def uncompressed_bytes(self):

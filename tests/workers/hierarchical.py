@@ -19,7 +19,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
-from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of, quantize_draws
+from rule_inputs import MU, SHAPE, WARMUP, adam, grads_of, quantize_draws, rate, sgd, train
 from _worker import IdenticalRanks, LoggedLines, report
 
 flags.DEFINE_integer("steps", 5, "Optimizer steps (the rate drops after step 2).")
@@ -30,31 +30,16 @@ flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume", "fit"]
                   "tf.train.Checkpoint under --work_dir and trains --steps more (the uninterrupted run); resume: "
                   "reads rank r's checkpoint and trains those --steps.")
 flags.DEFINE_string("work_dir", None, "save, resume: where the ranks' checkpoints are.")
-flags.DEFINE_integer("slow_rank", -1, "save: this rank sleeps 3 s after its last step (a slow host), and every rank "
-                     "writes the time it exits at to --work_dir/exit<rank>, after hvd_compress's exit handler.")
+flags.DEFINE_integer("slow_rank", -1, "save, resume: this rank sleeps 3 s after its last step (a slow host), and "
+                     "every rank writes the time it exits at to --work_dir/exit<rank>, after hvd_compress's exit "
+                     "handler.")
 FLAGS = flags.FLAGS
 
 
-def rate(t):
-    return RATES[int(t > BOUNDARIES[0])]
-
-
 def run(compression):
-    """Trains the two variables with hc, hierarchical; the final values, and the exchange's cross-host bytes."""
-    keras = tf.keras
-    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=True),
-                                  compression=compression, hierarchical=True)
-
-    @tf.function
-    def step(gw, gb):
-        opt.apply_gradients([(gw, w), (gb, b)])
-
-    for t in range(FLAGS.steps):
-        step(*map(tf.constant, grads_of(hvd.rank(), t)))
-    return w.numpy().reshape(-1), b.numpy()
+    """Trains the two variables with hc, hierarchical; their final values."""
+    w, b, _, _ = train(sgd(), FLAGS.steps, hvd.rank(), compression=compression, hierarchical=True)
+    return w, b
 
 
 def reference(kind, hosts, local, compression):
@@ -143,15 +128,11 @@ def reference_quantize(hosts, local, compression):
 def run_sketch(compression):
     """Hierarchical sketched SGD or FetchSGD on w alone: w's final values, and this rank's shard (elements lo:hi)
     with its sketch exchange across hosts (None where nothing crosses)."""
-    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True), compression=compression,
-                                  hierarchical=True)
-    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
-    for t in range(FLAGS.steps):
-        step(tf.constant(grads_of(hvd.rank(), t)[0]))
+    w, _, opt, _ = train(sgd(schedule=False), FLAGS.steps, hvd.rank(), dense=False, compression=compression,
+                         hierarchical=True)
     hierarchical = opt.compression_exchange.exchanges[0]
     lo = sum(hierarchical.splits[:hvd.local_rank()])
-    return w.numpy().reshape(-1), (lo, lo + hierarchical.splits[hvd.local_rank()]), hierarchical.inner
+    return w, (lo, lo + hierarchical.splits[hvd.local_rank()]), hierarchical.inner
 
 
 def reference_sketch_of_the_shard(hosts, local, shard, sketch):
@@ -186,20 +167,8 @@ def reference_dense(hosts, local, variable, half=False):
 
 def run_adam(compression, weight_decay):
     """1-bit Adam (AdamW: weight_decay > 0), hierarchical, WARMUP steps at full precision; w's final values."""
-    keras = tf.keras
-    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
-    inner = keras.optimizers.AdamW(schedule, weight_decay=weight_decay) if weight_decay else keras.optimizers.Adam(
-        schedule)
-    opt = hc.DistributedOptimizer(inner, compression=compression, warmup_steps=WARMUP, hierarchical=True)
-
-    @tf.function
-    def step(gw):
-        opt.apply_gradients([(gw, w)])
-
-    for t in range(FLAGS.steps):
-        step(tf.constant(grads_of(hvd.rank(), t)[0]))
-    return w.numpy().reshape(-1)
+    return train(adam(weight_decay), FLAGS.steps, hvd.rank(), dense=False, compression=compression,
+                 warmup_steps=WARMUP, hierarchical=True)[0]
 
 
 def reference_adam(hosts, local, compression, weight_decay):

@@ -13,7 +13,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from hvd_compress import exchange
 import np_reference as ref
-from rule_inputs import BOUNDARIES, DENSE, MU, RATES, SHAPE, WARMUP, grads_of, quantize_draws
+from rule_inputs import DENSE, MU, SHAPE, WARMUP, adam, grads_of, quantize_draws, rate, sgd, train
 from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
@@ -24,20 +24,8 @@ FLAGS = flags.FLAGS
 
 def run(compression, nesterov, process_set):
     """Trains the two variables with hc; returns the final values."""
-    keras = tf.keras  # tf_keras or Keras 3: TF_USE_LEGACY_KERAS decides
-    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
-    b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, RATES)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=MU, nesterov=nesterov),
-                                  compression=compression, process_set=process_set,
-                                  name=f"hc.n{process_set.size()}")
-
-    @tf.function
-    def step(gw, gb):
-        opt.apply_gradients([(gw, w), (gb, b)])
-
-    for t in range(FLAGS.steps):
-        step(*map(tf.constant, grads_of(process_set.rank(), t)))
+    w, b, opt, step = train(sgd(nesterov), FLAGS.steps, process_set.rank(), compression=compression,
+                            process_set=process_set, name=f"hc.n{process_set.size()}")
     # dist-EF-SGD (onebit under SGD) decodes its update straight into w; every other rule subtracts or
     # hands on a dense tensor.
     ran = op_types(step, tf.TensorSpec(SHAPE), tf.TensorSpec([DENSE]))
@@ -46,7 +34,7 @@ def run(compression, nesterov, process_set):
     layout = opt.compression_exchange.layout
     # Compression.fp16 compresses nothing: its 16-bit exchange is the one of uncompressed tensors.
     assert (layout.compressed, layout.dense) == (([], [0, 1]) if compression is hc.Compression.fp16 else ([0], [1]))
-    return w.numpy().reshape(-1), b.numpy()
+    return w, b
 
 
 def reference_dense(nesterov, size, variable=1, mean=lambda gs: np.mean(gs, axis=0, dtype=np.float32)):
@@ -55,7 +43,7 @@ def reference_dense(nesterov, size, variable=1, mean=lambda gs: np.mean(gs, axis
     m = np.zeros_like(x)
     for t in range(FLAGS.steps):
         g = mean([grads_of(r, t)[variable].reshape(-1) for r in range(size)])
-        ref.keras_sgd(x, m, g, RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+        ref.keras_sgd(x, m, g, rate(t), MU, nesterov)
     return x
 
 
@@ -63,7 +51,7 @@ def reference_onebit(block_size, two_way, nesterov, size):
     model = ref.DistEFSGD(int(np.prod(SHAPE)), size, MU, nesterov, block_size, two_way)
     x = np.zeros(int(np.prod(SHAPE)), np.float32)
     for t in range(FLAGS.steps):
-        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(size)], RATES[int(t > BOUNDARIES[0])])
+        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(size)], rate(t))
     return x
 
 
@@ -87,7 +75,7 @@ def reference_sparse(compression, size, nesterov, schedule=None):
             sent = ref.scatter_dense(idx, values, d)
             e[r] = a - sent
             total += sent
-        ref.keras_sgd(x, m, total / np.float32(size), RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+        ref.keras_sgd(x, m, total / np.float32(size), rate(t), MU, nesterov)
     return x
 
 
@@ -108,7 +96,7 @@ def reference_powersgd(compression, size, nesterov, schedule=None):
         qs[schedule[t].rank] = q = mean.T @ p
         update = p @ q.T
         e = [mr - update for mr in ms]
-        ref.keras_sgd(x, m, update.reshape(-1).astype(np.float32), RATES[int(t > BOUNDARIES[0])], MU, nesterov)
+        ref.keras_sgd(x, m, update.reshape(-1).astype(np.float32), rate(t), MU, nesterov)
     return x
 
 
@@ -116,35 +104,33 @@ def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps
     """1-bit Adam: hc's Adam (weight_decay > 0: AdamW) with `compression`; returns w, b. with_unused: a third
     variable in w's bucket has a gradient at the first step only; after it, it and its Adam slots must stay as they
     were (no decay either), as Keras leaves a variable without a gradient."""
-    keras = tf.keras
+    wrapper = dict(compression=compression, process_set=process_set, warmup_steps=warmup_steps,
+                   name=f"hc.adam.n{process_set.size()}")
+    if not with_unused:
+        w, b, opt, _ = train(adam(weight_decay, amsgrad), FLAGS.steps, process_set.rank(), **wrapper)
+        assert opt.compression_exchange.adam is not None
+        return w, b
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b")
     unused = tf.Variable(np.ones(SHAPE, np.float32), name="unused")
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
-    inner = (keras.optimizers.AdamW(schedule, weight_decay=weight_decay, amsgrad=amsgrad) if weight_decay else
-             keras.optimizers.Adam(schedule, amsgrad=amsgrad))
-    opt = hc.DistributedOptimizer(inner, compression=compression, process_set=process_set, warmup_steps=warmup_steps,
-                                  name=f"hc.adam.n{process_set.size()}")
+    opt = hc.DistributedOptimizer(adam(weight_decay, amsgrad), **wrapper)
 
     @tf.function
     def step(gw, gb, gu=None):
-        opt.apply_gradients([(gw, w), (gb, b)] + ([(gu, unused)] if with_unused else []))
+        opt.apply_gradients([(gw, w), (gb, b)] + ([(gu, unused)] if gu is not None else []))
 
     def unused_state():
         return [unused.numpy()] + [np.asarray(s) for s in opt.compression_exchange.adam.slots[1] if s is not None]
 
     for t in range(FLAGS.steps):
         gw, gb = grads_of(process_set.rank(), t)
-        step(tf.constant(gw), tf.constant(gb), tf.constant(gw) if with_unused and t == 0 else None)
-        if t == 0 and with_unused:
+        step(tf.constant(gw), tf.constant(gb), tf.constant(gw) if t == 0 else None)
+        if t == 0:
             after_first = unused_state()
     exchange_ = opt.compression_exchange
-    assert exchange_.adam is not None
-    if with_unused:
-        assert exchange_.layout.buckets == [[0, 2]], exchange_.layout.buckets
-        assert all(np.any(s) for s in after_first)
-        assert all(np.array_equal(a, b) for a, b in zip(after_first, unused_state()))
-    return w.numpy().reshape(-1), b.numpy()
+    assert exchange_.layout.buckets == [[0, 2]], exchange_.layout.buckets
+    assert all(np.any(s) for s in after_first)
+    assert all(np.array_equal(a, b) for a, b in zip(after_first, unused_state()))
 
 
 def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, **shape):
@@ -155,7 +141,7 @@ def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, **shape)
     x = np.zeros(d, np.float32)
     for t in range(FLAGS.steps):
         model.step(x, [grads_of(r, t)[variable].reshape(-1) for r in range(size)],
-                   np.float32(RATES[int(t > BOUNDARIES[0])] / 10))
+                   np.float32(rate(t) / 10))
     return x
 
 
@@ -212,16 +198,11 @@ def reference_tape(block_size, size):
 
 
 def run_sketch(compression, process_set):
-    w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     variant = (f"{compression.mode}{int(compression.second_round)}{int(compression.apply_candidates)}"
                f"{int(compression.mask_momentum)}")
-    opt = hc.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=MU, nesterov=True),
-                                  compression=compression, process_set=process_set,
-                                  name=f"hc.{variant}.n{process_set.size()}")
-    step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
-    for t in range(FLAGS.steps):
-        step(tf.constant(grads_of(process_set.rank(), t)[0]))
-    return w.numpy().reshape(-1), opt.compression_exchange.exchanges[0]
+    w, _, opt, _ = train(sgd(schedule=False), FLAGS.steps, process_set.rank(), dense=False, compression=compression,
+                         process_set=process_set, name=f"hc.{variant}.n{process_set.size()}")
+    return w, opt.compression_exchange.exchanges[0]
 
 
 def reference_sketch_on_the_concatenated_batch(exchange, size):
