@@ -128,8 +128,18 @@ def run_elastic(worker, *args, hosts=("localhost:3",), min_np=2, timeout=300, en
         return _launch(cmd, worker, args, np, f"{worker}, elastic from {','.join(hosts)}", timeout, env)
 
 
+def log_launch(what, started):
+    """With HC_LAUNCH_LOG=<file>, appends a JSON line per launch (test, launch, seconds): where the suite's
+    time goes (`pytest --durations` counts a module fixture's launches in its first test only)."""
+    if os.environ.get("HC_LAUNCH_LOG"):
+        with open(os.environ["HC_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps(dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), launch=what,
+                                      seconds=round(time.monotonic() - started, 1))) + "\n")
+
+
 def _launch(launcher_cmd, worker, args, np, what, timeout, env):
     """Runs `launcher_cmd python worker --out_dir ... args`; the rank<N>.json of ranks 0..np-1."""
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvdrun-") as out_dir:
         cmd = [*launcher_cmd, sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -149,6 +159,7 @@ def _launch(launcher_cmd, worker, args, np, what, timeout, env):
             if not path.exists():
                 pytest.fail(f"rank {rank} of {what} wrote no result.\n{output}", pytrace=False)
             results.append(json.loads(path.read_text()))
+        log_launch(what, started)
         return results
 
 
@@ -169,6 +180,7 @@ def run_hosts(worker, *args, ranks_per_host=(2, 2), timeout=240, env=None):
     port = server.start()
     server.init(plan)
     procs = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvdhosts-") as out_dir:
         try:
             for slot in plan:
@@ -197,4 +209,5 @@ def run_hosts(worker, *args, ranks_per_host=(2, 2), timeout=240, env=None):
         if any(p.returncode for p in procs):
             pytest.fail(f"{what}: exit codes {[p.returncode for p in procs]} (killed at the first failure or after "
                         f"{timeout}s).\n{logs}", pytrace=False)
+        log_launch(what, started)
         return [json.loads((pathlib.Path(out_dir) / f"rank{r}.json").read_text()) for r in range(n)]
