@@ -14,6 +14,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 import update_rule as rule
+from rule_inputs import rate, sgd
 from _worker import define_list_of, report
 from hvd_compress.accordion import HIGH, LOW, AdaptiveCompression, RegimeDetector
 from hvd_compress.exchange import Hierarchical, hierarchical_bytes
@@ -38,12 +39,9 @@ def digest(arrays):
 
 def run_switching(low, high, nesterov=True):
     """update_rule's two variables trained with the choice of each step forced by SCHEDULE."""
-    keras = tf.keras
     w = tf.Variable(np.zeros(rule.SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(rule.DENSE, np.float32), name="b")
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(rule.BOUNDARIES, rule.RATES)
-    opt = hc.DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=rule.MU, nesterov=nesterov),
-                                  compression=high)
+    opt = hc.DistributedOptimizer(sgd(nesterov), compression=high)
     exchange = opt.compression_exchange
     exchange.use_accordion(AdaptiveCompression(low, high), RegimeDetector())
     opt.build([w, b])
@@ -77,7 +75,7 @@ def check_decisions(accumulated):
 
 def check_rules():
     size, digests = hvd.size(), {}
-    rates = [rule.RATES[int(t > rule.BOUNDARIES[0])] for t in range(len(SCHEDULE))]
+    rates = [rate(t) for t in range(len(SCHEDULE))]
     # onebit <-> uncompressed under dist-EF-SGD: e_i kept across, zero after a full-precision step.
     w, b, accumulated = run_switching(hc.Compression.none, hc.Compression.onebit())
     model = ref.DistEFSGD(int(np.prod(rule.SHAPE)), size, rule.MU, True, None, True)
