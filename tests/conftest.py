@@ -10,6 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the marks into the tests' ids
 def pytest_collection_modifyitems(items):
     """pytest-xdist (--dist loadgroup) runs the tests that share a fixture of module scope (mostly one horovodrun
     launch that several tests read) on one worker, one group per value of its parameters (test_keras_features.py's
@@ -19,8 +20,8 @@ def pytest_collection_modifyitems(items):
         shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
                         if defs[-1].scope != "function" and defs[-1].baseid.startswith("tests/"))
         if shared:
-            indices = getattr(item, "callspec", None) and item.callspec.indices
-            values = "".join(f"-{name}{indices[name]}" for name in shared if indices and name in indices)
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            values = "".join(f"-{name}={params[name]}" for name in shared if name in params)  # as pytest shares them
             item.add_marker(pytest.mark.xdist_group(item.path.stem + values))
 
 
