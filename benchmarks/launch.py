@@ -52,22 +52,25 @@ def mlp(keras, layers):
         for i, units in enumerate(layers[1:])])
 
 
-def _run_for_json(script, ranks, flags, json_flag, env, timeout):
-    """Runs `script <flags> --<json_flag>=<file>` on `ranks` local Gloo ranks; the JSON rank 0 wrote."""
+def _run_for_json(script, ranks, flags, json_flag, env, timeout, launcher="gloo"):
+    """Runs `script <flags> --<json_flag>=<file>` on `ranks` local ranks launched with Gloo or MPI; the JSON
+    rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         output = pathlib.Path(tmp) / "output.json"
         horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
-        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable,
+        cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", f"--{launcher}", sys.executable,
                str(script), *flags, f"--{json_flag}={output}"]
         subprocess.run(cmd, check=True, timeout=timeout, env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE)
         return json.loads(output.read_text())
 
 
-def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900):
-    """Runs `script --role=worker <flags> --result=...` on `ranks` local Gloo ranks; rank 0's JSON."""
+def run_worker(script, ranks, flags, threads_per_rank=1, timeout=900, launcher="gloo"):
+    """Runs `script --role=worker <flags> --result=...` on `ranks` local ranks (launcher: gloo or mpi); rank 0's
+    JSON."""
     return _run_for_json(script, ranks, ["--role=worker", *flags], "result",
-                         dict(TF_NUM_INTRAOP_THREADS=str(threads_per_rank), TF_NUM_INTEROP_THREADS="1"), timeout)
+                         dict(TF_NUM_INTRAOP_THREADS=str(threads_per_rank), TF_NUM_INTEROP_THREADS="1"), timeout,
+                         launcher)
 
 
 def training_step(keras, model, optimizer):

@@ -1,13 +1,16 @@
-"""Step time with one slow rank: allreduce SGD (hc.methods' none) beside SGP and overlap SGP.
+"""Step time with slow ranks: allreduce SGD (hc.methods' none) beside SGP and overlap SGP, over Horovod's
+alltoall and over MPI's point-to-point transport.
 
     .venv/bin/python benchmarks/straggler.py [--ranks=4] [--delay_ms=100]
 
-Rank 1 sleeps `delay_ms` before every step (a straggler). The paper's claim is
-that gossip tolerates stragglers better than allreduce. On Horovod every
-collective, alltoall included, is negotiated by all ranks of its process set
-and runs in lockstep, so a slow rank delays everyone's gossip too; this
-measures how much of the claim survives. Prints a markdown table and writes
-results/straggler.json.
+Three conditions per method: no straggler; a persistent straggler (rank 1 sleeps `delay_ms` before every
+step); random stragglers (before every step one rank, drawn from a seeded generator that every rank
+shares, sleeps `delay_ms`). The paper's claim is that gossip tolerates stragglers: a late rank delays only
+the ranks that wait for its messages. Over `hvd.alltoall` (sgp, sgp_overlap) every rank takes part in every
+exchange in lockstep, so a slow rank delays everyone; over MPI (sgp_mpi, sgp_overlap_mpi:
+PushSumOptimizer(transport="mpi")) a rank waits only for its in-peers, and with overlap only for what they
+sent a step earlier, so a delay shorter than a step's compute is absorbed. Every method runs under the same
+MPI launch (horovodrun --mpi), so the rows compare. Prints a markdown table and writes results/straggler.json.
 """
 import json
 import os
@@ -25,18 +28,32 @@ import results  # noqa: E402
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_integer("ranks", 4, "Ranks.")
-flags.DEFINE_integer("delay_ms", 100, "Sleep of the slow rank before each step.")
+flags.DEFINE_integer("delay_ms", 100, "Sleep of a straggler before a step.")
 flags.DEFINE_integer("steps", 30, "Timed steps.")
+flags.DEFINE_list("methods", ["none", "sgp", "sgp_overlap", "sgp_mpi", "sgp_overlap_mpi"], "Methods (METHODS).")
 flags.DEFINE_string("method", "none", "worker: one of METHODS.")
-flags.DEFINE_integer("delay", 0, "worker: this run's delay in ms.")
+flags.DEFINE_enum("straggler", "none", ["none", "persistent", "random"], "worker: who sleeps before a step.")
 flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
 flags.DEFINE_string("out", "results/straggler.json", "launcher: the table's JSON.")
 FLAGS = flags.FLAGS
 LAYERS = [512, 1024, 1024, 10]  # 1.6M parameters
 #: this benchmark's methods beyond hc.methods' names: name -> (a name of hc.methods, its overrides)
-VARIANTS = {"sgp_overlap": ("sgp", dict(overlap=True))}
-#: allreduce (Horovod's fp32 in hc.DistributedOptimizer), gossip, gossip overlapping the next step
-METHODS = ("none", "sgp", "sgp_overlap")
+VARIANTS = {"sgp_overlap": ("sgp", dict(overlap=True)), "sgp_mpi": ("sgp", dict(transport="mpi")),
+            "sgp_overlap_mpi": ("sgp", dict(overlap=True, transport="mpi"))}
+#: allreduce (Horovod's fp32 in hc.DistributedOptimizer), gossip, gossip overlapping the next step, both over MPI
+METHODS = ("none", "sgp", "sgp_overlap", "sgp_mpi", "sgp_overlap_mpi")
+STRAGGLERS = ("none", "persistent", "random")
+
+
+def sleeper(step, ranks):
+    """The rank that sleeps before `step` (None: nobody)."""
+    import numpy as np
+
+    if FLAGS.straggler == "persistent":
+        return 1
+    if FLAGS.straggler == "random":
+        return int(np.random.default_rng([7, step]).integers(ranks))
+    return None
 
 
 def worker():
@@ -52,12 +69,14 @@ def worker():
     opt = launch.optimizer(hc, FLAGS.method, sgd, VARIANTS)
     step = launch.warm_step(keras, model, opt, 32)
     times = []
-    for _ in range(FLAGS.steps):
+    for t in range(FLAGS.steps):
         start = time.perf_counter()
-        if hvd.rank() == 1 and FLAGS.delay:
-            time.sleep(FLAGS.delay / 1000)
+        if sleeper(t, hvd.size()) == hvd.rank():
+            time.sleep(FLAGS.delay_ms / 1000)
         step().numpy()
         times.append(time.perf_counter() - start)
+    if hasattr(opt, "pushsum"):
+        hc.gossip.consensus(model)  # every rank's own steps done: one consensus (and nothing left in flight)
     # Every rank's median, so the fast ranks' view is visible too.
     medians = hvd.allgather_object(1000 * statistics.median(times), name="medians")
     if hvd.rank() == 0:
@@ -67,39 +86,47 @@ def worker():
 def main(_):
     if FLAGS.role == "worker":
         return worker()
+    launch.check_names("straggler.py", "methods", FLAGS.methods, METHODS)
     rows = []
-    for method in METHODS:
-        for delay in (0, FLAGS.delay_ms):
-            medians = launch.run_worker(__file__, FLAGS.ranks, [f"--method={method}", f"--delay={delay}",
-                                                                f"--steps={FLAGS.steps}"])
-            rows.append(dict(method=method, delay_ms=delay, median_step_ms=medians))
-            print(f"{method} delay {delay} ms: median step per rank {[round(m, 1) for m in medians]}",
+    for method in FLAGS.methods:
+        for straggler in STRAGGLERS:
+            medians = launch.run_worker(__file__, FLAGS.ranks, [f"--method={method}", f"--straggler={straggler}",
+                                                                f"--delay_ms={FLAGS.delay_ms}",
+                                                                f"--steps={FLAGS.steps}"], launcher="mpi")
+            rows.append(dict(method=method, straggler=straggler, delay_ms=FLAGS.delay_ms, median_step_ms=medians))
+            print(f"{method}, straggler {straggler}: median step per rank {[round(m, 1) for m in medians]}",
                   flush=True)
-    print(f"\n{FLAGS.ranks} ranks, rank 1 sleeps before every step; median step time in ms "
-          "(fastest rank / slowest rank)\n")
-    print("| method | no straggler | straggler | added by the straggler |")
-    print("|---|---:|---:|---:|")
-    for method in METHODS:
-        calm, slow = [r["median_step_ms"] for r in rows if r["method"] == method]
-        print(f"| {method} | {min(calm):.1f} / {max(calm):.1f} | {min(slow):.1f} / {max(slow):.1f} | "
-              f"{min(slow) - min(calm):.1f} |")
     results.save(FLAGS.out, rows)
+    print("\n" + render(rows))
     publish(rows)
 
 
 def render(rows):
-    """The rows as docs/benchmarks.md shows them: median step ms, fastest / slowest rank, without and with the
-    straggler."""
-    delay = max(r["delay_ms"] for r in rows)
-    note = (f"{len(rows[0]['median_step_ms'])} ranks, 1.6M-parameter MLP; rank 1 sleeps {delay} ms before every "
-            "step; median step ms, fastest rank / slowest rank.")
+    """The rows as docs/benchmarks.md shows them: median step ms of the fastest and the slowest rank in each
+    condition, what the straggler added to the fastest rank's, and the slowest rank's median against
+    allreduce's in the same condition."""
+    delay, ranks = rows[0]["delay_ms"], len(rows[0]["median_step_ms"])
+    note = (f"{ranks} ranks (horovodrun --mpi), 1.6M-parameter MLP; persistent: rank 1 sleeps {delay} ms before every "
+            f"step; random: before every step a rank drawn at random sleeps {delay} ms. Median step ms, fastest rank "
+            "/ slowest rank; *added*: to the fastest rank's median; *vs allreduce*: the slowest rank's median over "
+            "allreduce's, same condition.")
+    by = {(r["method"], r["straggler"]): r["median_step_ms"] for r in rows}
     table_rows = []
     for method in dict.fromkeys(r["method"] for r in rows):
-        calm, slow = ([r["median_step_ms"] for r in rows if r["method"] == method and r["delay_ms"] == d][0]
-                      for d in (0, delay))
-        table_rows.append([method, f"{min(calm):.1f} / {max(calm):.1f}", f"{min(slow):.1f} / {max(slow):.1f}",
-                           f"{min(slow) - min(calm):.1f}"])
-    table = results.markdown_table(["method", "no straggler", "straggler", "added by the straggler"], table_rows)
+        cells = [method]
+        for straggler in STRAGGLERS:
+            medians = by[(method, straggler)]
+            cells.append(f"{min(medians):.1f} / {max(medians):.1f}")
+            if straggler != "none":
+                cells.append(f"{min(medians) - min(by[(method, 'none')]):.1f}")
+            if ("none", straggler) in by:
+                cells.append(f"{max(medians) / max(by[('none', straggler)]):.2f}x")
+        table_rows.append(cells)
+    header = ["method", "no straggler", "vs allreduce", "persistent", "added", "vs allreduce", "random", "added",
+              "vs allreduce"]
+    if ("none", "none") not in by:
+        header = [h for h in header if h != "vs allreduce"]
+    table = results.markdown_table(header, table_rows)
     return f"{note}\n\n{table}"
 
 

@@ -15,12 +15,20 @@ on the average. Graphs (out-peers of rank i at step t, L = ceil(log2 n)):
 - "exponential": i + 2^(t mod L)                      (the paper's, 1 peer)
 - "exponential2": i + 2^(t mod L), i + 2^((t+1) mod L)  (2 peers)
 - "ring": i + 1                                       (static)
-all mod n, for any n >= 2. Transport: one hvd.alltoall per step whose splits
-are zero except for the peers; every rank calls it every step.
+all mod n, for any n >= 2.
 
-overlap=True (overlap SGP): the message sent at step t is mixed in at step
-t + 1 (held in a variable meanwhile), so it can travel while the next gradient
-is computed; the PushSum weights account for the mass in flight.
+Transports. transport="alltoall" (the default, any launch): one hvd.alltoall per
+step whose splits are zero except for the peers; every rank calls it every step,
+so the ranks run in lockstep. transport="mpi" (an MPI launch, mpi4py): each rank
+posts its sends to its out-peers and its receives from its in-peers on a
+communication thread (p2p.Mailbox) and waits only for its in-peers' messages.
+
+overlap=True (overlap SGP, tau = 1): the message sent at step t is mixed in at
+step t + 1, so it can travel while the next gradient is computed; the PushSum
+weights account for the mass in flight. Over alltoall the collective still runs
+within step t (the message is held in a variable until t + 1); over MPI it
+travels on the communication thread during step t + 1's compute, and a rank that
+is late by less than a step delays nobody. Both transports give the same bits.
 average_every=H: an exact allreduce average every H steps (0: never).
 """
 import math
@@ -29,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, state
+from hvd_compress import exchange, p2p, state
 from hvd_compress.keras_compat import (WrapperCore, refuse_saved_process_set, refuse_wrapped, register_loader,
                                        saved_process_set, wrap_in_place)
 from hvd_compress.gradient_exchange import check_known_variables
@@ -37,6 +45,8 @@ from hvd_compress.optimizer import refuse_loss_scale_optimizer, refuse_xla
 from hvd_compress.state import PER_RANK, RankLocalState, StateSpec
 
 GRAPHS = ("exponential", "exponential2", "ring")
+#: alltoall: one hvd.alltoall per step, every rank in lockstep; mpi: point-to-point (p2p.Mailbox).
+TRANSPORTS = ("alltoall", "mpi")
 
 
 def out_peers(graph, rank, size, step):
@@ -56,6 +66,11 @@ def out_peers(graph, rank, size, step):
         if peer != rank and peer not in peers:
             peers.append(peer)
     return peers
+
+
+def in_peers(graph, rank, size, step):
+    """The ranks that send to `rank` at `step`, in rank order."""
+    return [r for r in range(size) if rank in out_peers(graph, r, size, step)]
 
 
 def schedule_period(graph, size):
@@ -78,9 +93,16 @@ def mixing_matrix(graph, size, step):
 class PushSum:
     """The gossip step for a fixed list of variables; state through the given factory."""
 
-    def __init__(self, graph, overlap, average_every, process_set, name="hc.pushsum"):
+    def __init__(self, graph, overlap, average_every, process_set, name="hc.pushsum", transport="alltoall"):
         if graph not in GRAPHS:
             raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}.")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
+        if transport == "mpi" and process_set != hvd.global_process_set:
+            raise ValueError("transport='mpi' gossips among all ranks of the job: leave process_set at its default, "
+                             "or use transport='alltoall'.")
+        if transport == "mpi" and hvd.is_initialized():
+            p2p.mpi_world()  # a Gloo launch, or no mpi4py: refused here, before any collective
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}.")
         if average_every is not None and (isinstance(average_every, bool) or
@@ -88,7 +110,8 @@ class PushSum:
             raise ValueError(f"average_every must be None, 0 (never) or a positive number of steps, "
                              f"got {average_every!r}.")
         self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
-        self.process_set, self.name = process_set, name
+        self.process_set, self.name, self.transport = process_set, name, transport
+        self.mailbox = None  # transport="mpi": this process's p2p.Mailbox, from the first plan on
         self.agreement = state.RanksAgreement()  # due at the first step of each plan
         self.built = False
 
@@ -111,6 +134,8 @@ class PushSum:
         self.size, self.rank = self.process_set.size(), self.process_set.rank()
         if self.size < 2:
             raise ValueError("PushSumOptimizer needs at least 2 ranks.")
+        if self.transport == "mpi" and self.mailbox is None:
+            self.mailbox = p2p.Mailbox()
         self.rank_state = RankLocalState(self.rank, self.size)
         self.weight = self.rank_state.add(StateSpec("pushsum_weight/all", (), PER_RANK, initializer=tf.ones))
         d = sum(self.sizes) + 1
@@ -121,7 +146,8 @@ class PushSum:
                     for t in range(schedule_period(self.graph, self.size)))
         self.bytes_sent = 4 * d * peers
         state.track(self.holder, self.rank_state)  # a pending checkpoint restore happens here
-        settings = (f"PushSum(graph={self.graph}, overlap={self.overlap}, average_every={self.average_every}) "
+        settings = (f"PushSum(graph={self.graph}, overlap={self.overlap}, average_every={self.average_every}, "
+                    f"transport={self.transport}) "
                     f"variables={[tuple(s) for s in self.shapes]}")
         self.agreement.plan(settings, self.rank_state, self.process_set, self.name, previous)
         self.world = (hvd.rank(), self.size)
@@ -134,7 +160,7 @@ class PushSum:
         def for_phase(phase):
             peers = out_peers(self.graph, self.rank, self.size, phase)
             splits = [d if r in peers else 0 for r in range(self.size)]
-            senders = [r for r in range(self.size) if self.rank in out_peers(self.graph, r, self.size, phase)]
+            senders = in_peers(self.graph, self.rank, self.size, phase)
             outgoing = tf.tile(payload, [len(peers)])
             received, _ = hvd.alltoall(outgoing, splits=splits, process_set=self.process_set,
                                        name=f"{self.name}.phase{phase}")
@@ -154,19 +180,56 @@ class PushSum:
         x = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
         peers = len(out_peers(self.graph, self.rank, self.size, 0))
         share = x / float(peers + 1)
-        received = self._send(share, step)
-        if self.overlap:
-            mixed = share + self.in_flight
-            self.in_flight.assign(received)
+        average_now = (tf.equal((step + 1) % self.average_every, 0) if self.average_every else tf.constant(False))
+        if self.transport == "mpi":
+            earlier, now = tf.unstack(self._post_and_collect(share, step, average_now))
+            mixed = share + earlier + now  # in alltoall's order of additions: the same bits
+            if self.overlap:
+                self.in_flight.assign(tf.zeros_like(self.in_flight))  # what it held is mixed in now
         else:
-            mixed = share + received
+            received = self._send(share, step)
+            if self.overlap:
+                mixed = share + self.in_flight
+                self.in_flight.assign(received)
+            else:
+                mixed = share + received
         if self.average_every:
-            mixed = tf.cond(tf.equal((step + 1) % self.average_every, 0),
-                            lambda: self._exact_average(mixed), lambda: mixed)
+            mixed = tf.cond(average_now, lambda: self._exact_average(mixed), lambda: mixed)
         self._write(variables, mixed)
+
+    def _post_and_collect(self, share, step, average_now):
+        """transport="mpi": posts this step's share to its out-peers and returns what is mixed in now, as two rows:
+        what arrived earlier (with overlap: what the in-peers sent the step before, or, after `flush`, the mass left
+        in `in_flight`; zeros without) and what this step's in-peers sent (without overlap, and with it on an
+        averaging step, so that nothing is in flight; zeros otherwise)."""
+        mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
+
+        def run(share, step, held, average_now):
+            step = int(step)
+            earlier = mailbox.collect_pending()
+            earlier = held if earlier is None else earlier
+            phase = step % period
+            mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
+                         in_peers(self.graph, self.rank, self.size, phase))
+            now = np.zeros_like(share) if self.overlap and not average_now else mailbox.collect(step)
+            return np.stack([earlier, now])
+
+        held = self.in_flight if self.overlap else tf.zeros_like(share)
+        arrived = tf.numpy_function(run, [share, step, held, average_now], tf.float32, stateful=True,
+                                    name=f"{self.name}.p2p")
+        arrived.set_shape([2, *share.shape])
+        return arrived
+
+    def flush(self):
+        """transport="mpi" with overlap, between steps: waits for the messages of the last step and keeps them in
+        `in_flight` (per-rank state), so a checkpoint holds all of this rank's mass and MPI holds none of it."""
+        if self.mailbox is not None and self.mailbox.pending and tf.executing_eagerly():
+            self.in_flight.assign(self.mailbox.collect_pending())
 
     def _exact_average(self, mixed):
         """Allreduce average of everything, mass in flight included (which is then zero)."""
+        if self.transport == "mpi":  # nothing in flight: _post_and_collect collected this step's messages
+            return hvd.allreduce(mixed, op=hvd.Average, process_set=self.process_set, name=f"{self.name}.average")
         total = mixed + self.in_flight if self.overlap else mixed
         if self.overlap:
             self.in_flight.assign(tf.zeros_like(self.in_flight))
@@ -191,7 +254,7 @@ class _PushSumOptimizerMixin(WrapperCore):
     def _hc_settings(self):
         """PushSumOptimizer's keyword arguments as JSON data (for model files)."""
         return dict(graph=self._hc_pushsum.graph, overlap=self._hc_pushsum.overlap,
-                    average_every=self._hc_pushsum.average_every or None,
+                    average_every=self._hc_pushsum.average_every or None, transport=self._hc_pushsum.transport,
                     process_set_ranks=saved_process_set(self._hc_pushsum.process_set))
 
     @staticmethod
@@ -206,7 +269,8 @@ class _PushSumOptimizerMixin(WrapperCore):
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         # w_i and the mass in flight: in checkpoints, with their owner; never in optimizer.variables
-        # (which Horovod broadcasts) nor in model files.
+        # (which Horovod broadcasts) nor in model files. Over MPI the mass in flight comes out of MPI first.
+        self._hc_pushsum.flush()
         return state.checkpoint_children(super()._trackable_children(save_type, **kwargs),
                                          getattr(self._hc_pushsum, "rank_state", None), save_type)
 
@@ -243,17 +307,20 @@ register_loader(_PushSumOptimizerMixin)
 
 
 def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_every=None,
-                     process_set=hvd.global_process_set):
+                     process_set=hvd.global_process_set, transport="alltoall"):
     """Wraps a Keras optimizer (Keras 3 or tf_keras) for Stochastic Gradient Push (see the module
     docstring).
 
     No gradient allreduce happens: each rank steps on its own gradient, then
     gossips its parameters. Use `consensus(model)` to evaluate or save the
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
+    transport="mpi" sends point-to-point over MPI (launch with horovodrun --mpi or
+    mpirun; needs mpi4py): a rank waits only for its in-peers, and with overlap=True
+    the messages travel while the next step computes.
     """
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
     refuse_wrapped(optimizer)
-    pushsum = PushSum(graph, overlap, average_every, process_set)
+    pushsum = PushSum(graph, overlap, average_every, process_set, transport=transport)
     wrapped = wrap_in_place(optimizer, _PushSumOptimizerMixin)  # the user's instance, all it holds kept
     wrapped._hc_init(pushsum)
     return wrapped
@@ -266,6 +333,10 @@ def consensus(model, process_set=hvd.global_process_set):
     go on afterwards (the average is a valid PushSum state with weight 1 on
     every rank when no message is in flight).
     """
+    optimizer = getattr(model, "optimizer", None)
+    pushsum = getattr(getattr(optimizer, "inner_optimizer", optimizer), "pushsum", None)
+    if pushsum is not None:
+        pushsum.flush()  # over MPI: nothing left in MPI's hands
     for i, v in enumerate(model.weights):  # bfloat16 (which Horovod cannot sum) averaged as float32
         average = hvd.allreduce(tf.cast(v, exchange.DenseAllreduce.summed_dtype(v.dtype)), op=hvd.Average,
                                 process_set=process_set, name=f"hc.consensus.{i}")

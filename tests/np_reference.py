@@ -473,3 +473,41 @@ def two_way_quantized_means(inputs, bounds, cuts, bits, stochastic, error_feedba
             pieces.append(block_quantize_decode(packed, scales, offsets, shard_bounds, bits))
         out.append(np.concatenate(pieces))
     return out
+
+
+class PushSum:
+    """Stochastic Gradient Push (Assran et al., ICML 2019) on SGD without momentum, in float32: each rank steps
+    z_i -= lr g_i, then splits (w_i z_i, w_i) into p + 1 equal shares (p: its out-peers at step 0), keeps one and
+    sends one to each out-peer of step t; a message sent at step t is mixed in at step t + tau (overlap: tau = 1),
+    summed in the senders' rank order; z_i = x_i / w_i. out_peers(rank, t) and in_peers(rank, t) name the graph."""
+
+    def __init__(self, starts, out_peers, in_peers, tau):
+        self.z = [np.asarray(s, np.float32).copy() for s in starts]
+        self.w = [np.float32(1)] * len(starts)
+        self.out_peers, self.in_peers, self.tau = out_peers, in_peers, tau
+        self.pending = [np.zeros(self.z[0].size + 1, np.float32) for _ in starts]  # sent, not yet mixed in
+
+    def step(self, grads, lr, t):
+        n = len(self.z)
+        shares = []
+        for i in range(n):
+            self.z[i] = self.z[i] - np.float32(lr) * grads[i]
+            x = np.concatenate([self.z[i] * self.w[i], [self.w[i]]]).astype(np.float32)
+            shares.append(x / np.float32(len(self.out_peers(i, 0)) + 1))
+        arrivals = []
+        for i in range(n):
+            arrived = np.zeros_like(shares[i])
+            for j in self.in_peers(i, t):
+                arrived = arrived + shares[j]
+            arrivals.append(arrived)
+        for i in range(n):
+            if self.tau:
+                mixed, self.pending[i] = shares[i] + self.pending[i], arrivals[i]
+            else:
+                mixed = shares[i] + arrivals[i]
+            self.w[i] = mixed[-1]
+            self.z[i] = mixed[:-1] / self.w[i]
+
+    def mass(self):
+        """The weights' sum, the mass in flight included: n throughout."""
+        return float(np.sum(self.w, dtype=np.float64) + sum(float(p[-1]) for p in self.pending))

@@ -50,3 +50,21 @@ def test_sgp_trains_next_to_allreduce_sgd_at_3_ranks():
     ranks = [r["results"] for r in run_ranks("train_digits.py", "--runs=none,sgp", f"--epochs={DIGITS_EPOCHS}",
                                               np=3, timeout=400)]
     check_sgp_next_to_allreduce(ranks)
+
+
+@pytest.mark.parametrize("ranks, world_sizes", [(2, [2]), (5, [3, 4, 5])])
+def test_pushsum_matches_the_numpy_reference_over_alltoall_and_point_to_point(ranks, world_sizes):
+    """PushSum with messages mixed in at once (tau = 0) or a step later (overlap, tau = 1), with an exact average
+    every 4th step, against NumPy on every rank (tests/workers/gossip_rule.py): over alltoall at each world size,
+    over MPI's point-to-point transport (an MPI launch) at the launch's, with the alltoall run's bits; the weights
+    and the mass in flight sum to n."""
+    results = run_ranks("gossip_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}", np=ranks,
+                        launcher="mpi", timeout=300)
+    assert {name.split("/")[1] for name in results[0]["digests"]} == {"alltoall", "mpi"}
+    assert {int(name.split("/")[0]) for name in results[0]["digests"]} == set(world_sizes)
+
+
+def test_point_to_point_gossip_under_gloo_is_refused_with_the_launch_to_use():
+    results = run_ranks("gossip_rule.py", "--refused", np=2, launcher="gloo")
+    for r in results:
+        assert "horovodrun --mpi" in r["refused"] and "transport='alltoall'" in r["refused"], r

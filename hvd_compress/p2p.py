@@ -1,0 +1,123 @@
+"""Point-to-point messages between ranks over MPI, carried by one communication thread per process.
+
+The gossip of Stochastic Gradient Push sends each step's mass to one or two peers. Over a collective
+(hvd.alltoall) every rank takes part in every exchange, in lockstep: a late rank delays the world. Here a
+rank posts its messages (`post`: non-blocking sends to its out-peers, receives from its in-peers) and
+picks up what arrived later (`collect`), so the transfer runs on the communication thread while the
+next step computes, and a rank waits only for the peers it receives from.
+
+The transport is MPI's (MPI_Isend, MPI_Irecv, MPI_Waitall through mpi4py) on a duplicate of
+MPI_COMM_WORLD, so its messages never meet Horovod's. Horovod's MPI controller initialises MPI with
+MPI_THREAD_MULTIPLE, which a second thread calling MPI needs: the job must be launched with MPI
+(`horovodrun --mpi ...` or `mpirun ...`); under Gloo `Mailbox()` refuses with the launch to use.
+"""
+import atexit
+import queue
+import threading
+import time
+
+import numpy as np
+
+import horovod.tensorflow as hvd
+
+#: How long `collect` waits for a step's messages before it fails (a peer died or hangs).
+COLLECT_TIMEOUT_SECONDS = 120.0
+#: How often the communication thread asks MPI whether a step's messages arrived (it sleeps in between).
+POLL_SECONDS = 0.0005
+#: MPI guarantees tags up to 32767; a step's messages are tagged step mod TAGS.
+TAGS = 32768
+
+
+def mpi_world():
+    """mpi4py's MPI module, with MPI already initialised by Horovod with thread support: or a clear error."""
+    if not hvd.is_initialized():
+        raise RuntimeError("Point-to-point gossip needs Horovod first: call hvd.init().")
+    if not hvd.mpi_enabled():
+        raise RuntimeError("Point-to-point gossip runs over MPI, and this job was launched with Gloo. Launch with "
+                           "MPI (horovodrun --mpi -np N ..., or mpirun -np N ...), or use transport='alltoall'.")
+    try:
+        import mpi4py
+    except ImportError as e:
+        raise RuntimeError("Point-to-point gossip needs mpi4py: pip install mpi4py, or use "
+                           "transport='alltoall'.") from e
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # Horovod owns MPI's life
+    from mpi4py import MPI
+    if not MPI.Is_initialized() or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("Point-to-point gossip needs MPI initialised with MPI_THREAD_MULTIPLE (Horovod asks for "
+                           "it unless HOROVOD_MPI_THREADS_DISABLE is set: unset it).")
+    return MPI
+
+
+class Mailbox:
+    """This rank's posted messages: `post(step, payload, to, senders)` hands a step's sends and receives to the
+    communication thread and returns at once; `collect(step)` waits for them and returns the sum of what the
+    senders sent. Messages of several steps may be in flight at once; each is collected once, in any order."""
+
+    def __init__(self):
+        MPI = mpi_world()
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD.Dup()
+        self.rank = self.comm.Get_rank()
+        self.jobs, self.pending, self.failure = queue.Queue(), {}, None
+        self.thread = threading.Thread(target=self._run, name="hvd_compress.p2p", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)  # after Horovod's own exit handler is registered: runs before it
+
+    def post(self, step, payload, to, senders):
+        """Sends `payload` (a NumPy array) to each rank in `to`; receives one array like it from each rank in
+        `senders`. Returns at once."""
+        step = int(step)
+        if step in self.pending:
+            raise ValueError(f"step {step}'s messages were posted already and not collected.")
+        payload = np.array(payload, copy=True, order="C")  # MPI reads it after TensorFlow reuses its buffer
+        done = threading.Event()
+        inbox = [np.empty_like(payload) for _ in senders]
+        self.pending[step] = (done, inbox, list(senders), np.zeros_like(payload))
+        self.jobs.put((step, payload, list(to), list(senders), inbox, done))
+
+    def collect(self, step, timeout=None):
+        """The sum of what step `step`'s senders sent (zeros like the payload when there were none), once it all
+        arrived."""
+        done, inbox, senders, nothing = self.pending.pop(int(step))
+        timeout = COLLECT_TIMEOUT_SECONDS if timeout is None else timeout
+        if not done.wait(timeout):
+            raise TimeoutError(f"rank {self.rank}: step {step}'s messages from ranks {senders} did not arrive within "
+                               f"{timeout:.0f} s (a peer died, hangs, or is more than that far behind).")
+        if self.failure is not None:
+            raise RuntimeError(f"rank {self.rank}: the communication thread failed") from self.failure
+        return np.sum(inbox, axis=0) if inbox else nothing
+
+    def collect_pending(self):
+        """The sum of what was posted and not yet collected (None where nothing is pending): a step's messages,
+        whatever its number (a step that loss scaling skipped posted nothing)."""
+        arrived = [self.collect(step) for step in sorted(self.pending)]
+        return np.sum(arrived, axis=0) if arrived else None
+
+    def close(self):
+        """Waits for what is in flight (at most COLLECT_TIMEOUT_SECONDS), then stops the thread: before Horovod
+        finalises MPI."""
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join(COLLECT_TIMEOUT_SECONDS)
+
+    def _run(self):
+        """The communication thread: per step, posts the receives and the sends, and marks the step done once its
+        receives completed. A send completes when its receiver takes it (MPI's rendezvous for large messages), which
+        this rank does not wait for: it holds the payload until then, and MPI moves it while this thread waits on
+        later receives."""
+        MPI, sending = self.MPI, []
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                MPI.Request.Waitall([request for request, _ in sending])
+                return
+            step, payload, to, senders, inbox, done = job
+            try:
+                tag = step % TAGS
+                receives = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
+                sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
+                while not MPI.Request.Testall(receives):  # MPI's own wait spins, taking a core from the step
+                    time.sleep(POLL_SECONDS)
+                sending = [(request, held) for request, held in sending if not request.Test()]
+            except Exception as e:  # reported by collect
+                self.failure = e
+            done.set()

@@ -1,0 +1,104 @@
+"""hc.PushSumOptimizer's step against the NumPy reference of PushSum with messages delayed by tau steps
+(overlap=False: 0; overlap=True: 1), on every rank, over both transports.
+
+Each case trains w and b (rule_inputs: every rank its own gradients) with SGD without momentum for --steps
+graph-mode steps. Over alltoall each world size of --world_sizes runs on a process set of ranks 0..n-1; over MPI
+(launched with MPI only) the whole world runs, and must give the alltoall run's bits. After the steps every rank
+holds the reference's z_i; the weights with the mass in flight (what `flush` leaves in in_flight) sum to n.
+Reports {"n/transport/case": digest} and the sums."""
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+import horovod.tensorflow as hvd
+import hvd_compress as hc
+import np_reference as ref
+from hvd_compress.gossip import in_peers, out_peers
+from rule_inputs import grads_of
+from _worker import init_world_sizes, launch_size, report
+
+flags.DEFINE_integer("steps", 6, "Steps of each case.")
+flags.DEFINE_list("world_sizes", None, "World sizes of the alltoall runs (default: the number of ranks).")
+flags.DEFINE_bool("refused", False, "Only report the error of PushSumOptimizer(transport='mpi') (a Gloo launch).")
+FLAGS = flags.FLAGS
+LR = 0.1
+#: (graph, overlap, average_every)
+CASES = [("exponential", False, None), ("exponential", True, None), ("exponential2", True, None),
+         ("ring", True, 4)]
+
+
+def flat(rank, t):
+    return np.concatenate([g.reshape(-1) for g in grads_of(rank, t)])
+
+
+def run(graph, overlap, average_every, process_set, transport):
+    """This rank's z (w and b, flat) after the steps, and the weight plus the mass in flight."""
+    keras = tf.keras
+    w = tf.Variable(np.zeros(grads_of(0, 0)[0].shape, np.float32), name="w")
+    b = tf.Variable(np.zeros(grads_of(0, 0)[1].shape, np.float32), name="b")
+    opt = hc.PushSumOptimizer(keras.optimizers.SGD(LR), graph=graph, overlap=overlap, average_every=average_every,
+                              process_set=process_set, transport=transport)
+    step = tf.function(lambda gw, gb: opt.apply_gradients([(gw, w), (gb, b)]))
+    for t in range(FLAGS.steps):
+        step(*map(tf.constant, grads_of(process_set.rank(), t)))
+    opt.pushsum.flush()
+    mass = opt.pushsum.weight + (opt.pushsum.in_flight[-1] if overlap else 0.0)
+    mass = float(hvd.allreduce(mass, op=hvd.Sum, process_set=process_set, name=f"mass.{transport}"))
+    return np.concatenate([w.numpy().reshape(-1), b.numpy()]), mass
+
+
+def reference(graph, overlap, average_every, n, rank):
+    d = flat(0, 0).size
+    pushsum = ref.PushSum([np.zeros(d, np.float32)] * n, lambda i, t: out_peers(graph, i, n, t),
+                          lambda i, t: in_peers(graph, i, n, t), tau=int(overlap))
+    for t in range(FLAGS.steps):
+        pushsum.step([flat(r, t) for r in range(n)], LR, t)
+        if average_every and (t + 1) % average_every == 0:  # the exact average, mass in flight included
+            x = np.mean([np.append(z * w, w) + p for z, w, p in zip(pushsum.z, pushsum.w, pushsum.pending)], axis=0)
+            pushsum.z, pushsum.w = [x[:-1] / x[-1]] * n, [x[-1]] * n
+            pushsum.pending = [np.zeros_like(p) for p in pushsum.pending]
+    return pushsum.z[rank], pushsum.mass()
+
+
+def check(case, process_set, transport, digests, masses):
+    n = process_set.size()
+    z, mass = run(*case, process_set, transport)
+    want, want_mass = reference(*case, n, process_set.rank())
+    name = f"{n}/{transport}/{'+'.join(map(str, case))}"
+    np.testing.assert_allclose(z, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert np.abs(z).max() > 0.01, name
+    assert abs(mass - n) < 1e-4 and abs(want_mass - n) < 1e-4, (name, mass, want_mass)
+    digests[name], masses[name] = hashlib.sha256(z.tobytes()).hexdigest(), mass
+
+
+def refused():
+    try:
+        hc.PushSumOptimizer(tf.keras.optimizers.SGD(LR), transport="mpi")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def main(_):
+    hc.require_legacy_keras()
+    if FLAGS.refused:
+        hvd.init()
+        return report(hvd, refused=refused())
+    process_sets = init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]])
+    digests, masses = {}, {}
+    for case in CASES:
+        for process_set in process_sets.values():
+            check(case, process_set, "alltoall", digests, masses)
+        if hvd.mpi_enabled():
+            if hvd.size() not in process_sets:
+                check(case, hvd.global_process_set, "alltoall", digests, masses)
+            check(case, hvd.global_process_set, "mpi", digests, masses)
+            name = "+".join(map(str, case))
+            assert digests[f"{hvd.size()}/mpi/{name}"] == digests[f"{hvd.size()}/alltoall/{name}"], name
+    report(hvd, digests=digests, masses=masses)
+
+
+if __name__ == "__main__":
+    app.run(main)
