@@ -6,7 +6,7 @@ rank posts its messages (`post`: non-blocking sends to its out-peers, receives f
 picks up what arrived later (`collect`), so the transfer runs on the communication thread while the
 next step computes, and a rank waits only for the peers it receives from.
 
-The transport is MPI's (MPI_Isend, MPI_Irecv, MPI_Waitall through mpi4py) on a duplicate of
+The transport is MPI's (MPI_Isend, MPI_Irecv, MPI_Testall through mpi4py) on a duplicate of
 MPI_COMM_WORLD, so its messages never meet Horovod's. Horovod's MPI controller initialises MPI with
 MPI_THREAD_MULTIPLE, which a second thread calling MPI needs: the job must be launched with MPI
 (`horovodrun --mpi ...` or `mpirun ...`); under Gloo `Mailbox()` refuses with the launch to use.

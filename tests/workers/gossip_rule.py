@@ -16,7 +16,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 from hvd_compress.gossip import in_peers, out_peers
-from rule_inputs import grads_of
+from rule_inputs import grads_of, train
 from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_integer("steps", 6, "Steps of each case.")
@@ -35,18 +35,13 @@ def flat(rank, t):
 
 def run(graph, overlap, average_every, process_set, transport):
     """This rank's z (w and b, flat) after the steps, and the weight plus the mass in flight."""
-    keras = tf.keras
-    w = tf.Variable(np.zeros(grads_of(0, 0)[0].shape, np.float32), name="w")
-    b = tf.Variable(np.zeros(grads_of(0, 0)[1].shape, np.float32), name="b")
-    opt = hc.PushSumOptimizer(keras.optimizers.SGD(LR), graph=graph, overlap=overlap, average_every=average_every,
-                              process_set=process_set, transport=transport)
-    step = tf.function(lambda gw, gb: opt.apply_gradients([(gw, w), (gb, b)]))
-    for t in range(FLAGS.steps):
-        step(*map(tf.constant, grads_of(process_set.rank(), t)))
+    w, b, opt, _ = train(tf.keras.optimizers.SGD(LR), FLAGS.steps, process_set.rank(), wrap=hc.PushSumOptimizer,
+                         graph=graph, overlap=overlap, average_every=average_every, process_set=process_set,
+                         transport=transport)
     opt.pushsum.flush()
     mass = opt.pushsum.weight + (opt.pushsum.in_flight[-1] if overlap else 0.0)
     mass = float(hvd.allreduce(mass, op=hvd.Sum, process_set=process_set, name=f"mass.{transport}"))
-    return np.concatenate([w.numpy().reshape(-1), b.numpy()]), mass
+    return np.concatenate([w, b]), mass
 
 
 def reference(graph, overlap, average_every, n, rank):

@@ -1,6 +1,6 @@
-"""The update-rule workers' inputs (update_rule.py, hierarchical.py): two variables, w compressed and b
-dense, each rank's gradients at each step, SGD's momentum and the learning-rate schedule; the quantizer's draws;
-the optimizers and the training loop the rules run."""
+"""The update-rule workers' inputs (update_rule.py, hierarchical.py, accordion.py, gossip_rule.py): two
+variables, w compressed and b dense, each rank's gradients at each step, SGD's momentum and the learning-rate
+schedule; the quantizer's draws; the optimizers and the training loop the rules run."""
 import numpy as np
 import tensorflow as tf
 
@@ -45,12 +45,13 @@ def adam(weight_decay=0.0, amsgrad=False):
     return keras.optimizers.Adam(rate, amsgrad=amsgrad)
 
 
-def train(inner, steps, rank, dense=True, **wrapper):
-    """hc.DistributedOptimizer(inner, **wrapper) on w (and b where `dense`), both from zero, for `steps` graph-mode
-    steps of grads_of(rank, t); returns (w flat, b or None, the wrapped optimizer, the step function)."""
+def train(inner, steps, rank, dense=True, wrap=hc.DistributedOptimizer, **wrapper):
+    """wrap(inner, **wrapper) (hc.DistributedOptimizer, or hc.PushSumOptimizer) on w (and b where `dense`), both from
+    zero, for `steps` graph-mode steps of grads_of(rank, t); returns (w flat, b or None, the wrapped optimizer, the
+    step function)."""
     w = tf.Variable(np.zeros(SHAPE, np.float32), name="w")
     b = tf.Variable(np.zeros(DENSE, np.float32), name="b") if dense else None
-    opt = hc.DistributedOptimizer(inner, **wrapper)
+    opt = wrap(inner, **wrapper)
 
     @tf.function
     def step(*grads):
