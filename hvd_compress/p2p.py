@@ -12,7 +12,9 @@ MPI_THREAD_MULTIPLE, which a second thread calling MPI needs: the job must be la
 (`horovodrun --mpi ...` or `mpirun ...`); under Gloo `Mailbox()` refuses with the launch to use.
 """
 import atexit
+import logging
 import queue
+import sys
 import threading
 import time
 
@@ -22,6 +24,8 @@ import horovod.tensorflow as hvd
 
 #: How long `collect` waits for a step's messages before it fails (a peer died or hangs).
 COLLECT_TIMEOUT_SECONDS = 120.0
+#: How long a rank waits at exit for its sends to be delivered and for the other ranks to close.
+CLOSE_TIMEOUT_SECONDS = 120.0
 #: How often the communication thread asks MPI whether a step's messages arrived (it sleeps in between).
 POLL_SECONDS = 0.0005
 #: MPI guarantees tags up to 32767; a step's messages are tagged step mod TAGS.
@@ -93,11 +97,14 @@ class Mailbox:
         return np.sum(arrived, axis=0) if arrived else None
 
     def close(self):
-        """Waits for what is in flight (at most COLLECT_TIMEOUT_SECONDS), then stops the thread: before Horovod
-        finalises MPI."""
+        """Stops the communication thread once this rank's sends are delivered and every rank closed its mailbox
+        (at most CLOSE_TIMEOUT_SECONDS): registered at exit, before Horovod's own shutdown. The ranks meet because
+        Horovod's shutdown on one rank finalises MPI on all of them: a rank that closed and left would otherwise
+        pull MPI away from a rank whose thread is still delivering (MPI_Waitall after MPI_Finalize: a crash)."""
         if self.thread.is_alive():
-            self.jobs.put(None)
-            self.thread.join(COLLECT_TIMEOUT_SECONDS)
+            failed = getattr(sys, "last_value", None) is not None  # an uncaught error: mpirun ends the job anyway
+            self.jobs.put("leave" if failed else "meet")
+            self.thread.join(CLOSE_TIMEOUT_SECONDS + 1)
 
     def _run(self):
         """The communication thread: per step, posts the receives and the sends, and marks the step done once its
@@ -107,17 +114,29 @@ class Mailbox:
         MPI, sending = self.MPI, []
         while True:
             job = self.jobs.get()
-            if job is None:
-                MPI.Request.Waitall([request for request, _ in sending])
+            if isinstance(job, str):  # close(); MPI is finalised already after the user's own hvd.shutdown()
+                if job == "meet" and not MPI.Is_finalized():
+                    self._wait([request for request, _ in sending] + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
                 return
             step, payload, to, senders, inbox, done = job
             try:
                 tag = step % TAGS
                 receives = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
                 sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
-                while not MPI.Request.Testall(receives):  # MPI's own wait spins, taking a core from the step
-                    time.sleep(POLL_SECONDS)
+                self._wait(receives)
                 sending = [(request, held) for request, held in sending if not request.Test()]
             except Exception as e:  # reported by collect
                 self.failure = e
             done.set()
+
+    def _wait(self, requests, timeout=None):
+        """Until `requests` completed (or `timeout` seconds passed: a warning), polling: MPI's own wait spins,
+        taking a core from the step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.MPI.Request.Testall(requests):
+            if deadline is not None and time.monotonic() > deadline:
+                logging.getLogger("hvd_compress").warning(
+                    "rank %d: point-to-point gossip gave up waiting for the other ranks at exit after %.0f s.",
+                    self.rank, timeout)
+                return
+            time.sleep(POLL_SECONDS)
