@@ -1,6 +1,7 @@
 // Shared helpers for the hvd_compress CPU kernels: block bounds, the fixed
 // chunk decomposition used for deterministic multi-threading, and sharding
-// onto TensorFlow's CPU thread pool.
+// onto TensorFlow's CPU thread pool. The arithmetic itself, shared with the
+// GPU kernels, is in cores.h.
 //
 // Determinism: work is split into chunks of kChunk elements at fixed global
 // offsets (multiples of kChunk), never by thread count, so every reduction is
@@ -15,6 +16,7 @@
 #include <functional>
 #include <vector>
 
+#include "cores.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -23,12 +25,6 @@ namespace hvd_compress {
 
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
-
-// Elements per work item; a multiple of 8 so a chunk owns whole bytes of a
-// packed bit vector. Must match KCHUNK in tests/np_reference.py.
-constexpr int64_t kChunk = 1 << 14;
-
-inline int64_t NumChunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 // Runs work(begin, end) over [0, total) on TF's intra-op CPU thread pool.
 // cost_per_unit is a rough count of cycles for one unit of work.
@@ -132,14 +128,10 @@ inline absl::Status ForEachIndexInParts(const Tensor& indices, const PartIndex& 
   return absl::OkStatus();
 }
 
-// |v| as an order-preserving unsigned key: larger |v| gives a larger key and
-// NaN sorts above +Inf, so a NaN is always among the largest magnitudes.
+// AbsKey (cores.h) of a half or bfloat16 element, through float.
 template <typename T>
 inline uint32_t AbsKey(T v) {
-  const float f = static_cast<float>(v);
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits & 0x7fffffffu;
+  return AbsKey(static_cast<float>(v));
 }
 
 }  // namespace hvd_compress

@@ -1,5 +1,6 @@
 // CPU kernel for MomentumErrorFeed (see feedback_ops.cc): reads g, m and e
-// once and writes m_new and a; a takes over g's buffer when nothing else holds it.
+// once and writes m_new and a (cores.h's MomentumErrorFeedAt); a takes over g's buffer when nothing
+// else holds it (each element's g is read before its a is written).
 // Built with -ffp-contract=off (setup.py, BUILD), so every product and sum is
 // rounded as TensorFlow's separate ops round it.
 #include "blocks.h"
@@ -47,10 +48,7 @@ class MomentumErrorFeedOp : public OpKernel {
     ParallelFor(ctx, NumChunks(g.NumElements()), kChunk * 4, [&](int64_t first, int64_t last) {
       const int64_t end = std::min(last * kChunk, g.NumElements());
       for (int64_t i = first * kChunk; i < end; ++i) {
-        const float grad = gp[i];  // read before a (which may be g's buffer) is written
-        const float velocity = mu * mp[i] + grad;
-        m_out[i] = velocity;
-        a_out[i] = rate * (nesterov ? mu * velocity + grad : velocity) + scale * ep[i];
+        MomentumErrorFeedAt(gp[i], mp[i], ep[i], rate, mu, scale, nesterov, &m_out[i], &a_out[i]);
       }
     });
   }

@@ -185,7 +185,7 @@ class HalfMeanOp : public OpKernel {
       for (int64_t chunk = first; chunk < last; ++chunk) {
         const int64_t begin = chunk * kChunk, length = std::min(m, begin + kChunk) - begin;
         HalfToFloat(rows + begin, sum.data(), length);
-        for (int64_t r = 1; r < count; ++r) {
+        for (int64_t r = 1; r < count; ++r) {  // cores.h's RowMean, a chunk at a time
           HalfToFloat(rows + r * m + begin, row.data(), length);
           for (int64_t i = 0; i < length; ++i) sum[i] += row[i];
         }

@@ -26,23 +26,12 @@ using tensorflow::errors::InvalidArgument;
 
 namespace {
 
-// Sum of |x[0:len]| in float64 with 8 interleaved lanes (element j goes to
-// lane j % 8; lanes added in order). Fixed order, vectorizable.
+// Sum of |x[0:len]| in float64 in cores.h's lane order (LaneAbsSum, PieceAbsSum).
 template <typename T>
 double AbsSum(const T* x, int64_t len) {
-  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    for (int l = 0; l < 8; ++l) {
-      lane[l] += std::fabs(static_cast<double>(static_cast<float>(x[i + l])));
-    }
-  }
-  for (int l = 0; i + l < len; ++l) {
-    lane[l] += std::fabs(static_cast<double>(static_cast<float>(x[i + l])));
-  }
-  double sum = 0;
-  for (int l = 0; l < 8; ++l) sum += lane[l];
-  return sum;
+  double lanes[8];
+  for (int l = 0; l < 8; ++l) lanes[l] = LaneAbsSum(FloatLoad<T>{x}, 0, len, l);
+  return PieceAbsSum(lanes);
 }
 
 #if defined(__AVX__)
@@ -70,21 +59,7 @@ double AbsSum<float>(const float* x, int64_t len) {
 // Packs x[begin:end) (begin a multiple of 8) into bits[begin/8 : ...].
 template <typename T>
 void PackSigns(const T* x, int64_t begin, int64_t end, uint8_t* bits) {
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    uint8_t byte = 0;
-    for (int l = 0; l < 8; ++l) {
-      byte |= static_cast<uint8_t>(static_cast<float>(x[i + l]) < 0.0f) << l;
-    }
-    bits[i >> 3] = byte;
-  }
-  if (i < end) {
-    uint8_t byte = 0;
-    for (int l = 0; i + l < end; ++l) {
-      byte |= static_cast<uint8_t>(static_cast<float>(x[i + l]) < 0.0f) << l;
-    }
-    bits[i >> 3] = byte;
-  }
+  for (int64_t i = begin; i < end; i += 8) bits[i >> 3] = SignByte(FloatLoad<T>{x}, i, end);
 }
 
 #if defined(__AVX__)
@@ -96,16 +71,12 @@ void PackSigns<float>(const float* x, int64_t begin, int64_t end, uint8_t* bits)
     bits[i >> 3] = static_cast<uint8_t>(
         _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), zero, _CMP_LT_OQ)));
   }
-  if (i < end) {
-    uint8_t byte = 0;
-    for (int l = 0; i + l < end; ++l) byte |= static_cast<uint8_t>(x[i + l] < 0.0f) << l;
-    bits[i >> 3] = byte;
-  }
+  if (i < end) bits[i >> 3] = SignByte(FloatLoad<float>{x}, i, end);
 }
 #endif
 
-// kSignMasks.m[byte][l] has the float sign bit set when bit l of byte is set:
-// XOR it onto the bits of a scale to get that element's +-scale.
+// kSignMasks.m[byte][l] has the float sign bit set when bit l of byte is set: XOR it onto the
+// bits of a scale to get that element's +-scale (cores.h's SignedScale, eight at a time).
 struct SignMasks {
   uint32_t m[256][8];
   constexpr SignMasks() : m() {
@@ -116,41 +87,23 @@ struct SignMasks {
 };
 constexpr SignMasks kSignMasks;
 
-inline float SignedScale(uint32_t scale_bits, uint32_t mask) {
-  const uint32_t v = scale_bits ^ mask;
-  float f;
-  std::memcpy(&f, &v, sizeof(f));
-  return f;
-}
-
 // out[i] = +-scale for i in [begin, end), sign from bit i of bits.
 // Branch-free, eight elements per packed byte in the aligned middle.
 template <typename T>
 void DecodeSigns(const uint8_t* bits, float scale, int64_t begin, int64_t end, T* out) {
   uint32_t scale_bits;
   std::memcpy(&scale_bits, &scale, sizeof(scale_bits));
-  auto one = [&](int64_t i) {
-    out[i] = static_cast<T>(SignedScale(scale_bits, kSignMasks.m[bits[i >> 3]][i & 7]));
-  };
+  auto one = [&](int64_t i) { out[i] = static_cast<T>(SignedScale(scale_bits, BitAt(bits, i))); };
   int64_t i = begin;
   for (; i < end && (i & 7) != 0; ++i) one(i);
   for (; i + 8 <= end; i += 8) {
     const uint32_t* mask = kSignMasks.m[bits[i >> 3]];
-    for (int l = 0; l < 8; ++l) out[i + l] = static_cast<T>(SignedScale(scale_bits, mask[l]));
+    for (int l = 0; l < 8; ++l) out[i + l] = static_cast<T>(BitsFloat(scale_bits ^ mask[l]));
   }
   for (; i < end; ++i) one(i);
 }
 
-// The mean over m payloads of element i's +-scale_r: summed in float32 from 0 in payload order,
-// then divided by count. Payload r's bits start at bits + r * num_bytes.
-inline float MeanAt(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m, float count,
-                    int64_t i) {
-  float sum = 0.0f;
-  for (int64_t r = 0; r < m; ++r) sum += SignedScale(scale_bits[r], kSignMasks.m[bits[r * num_bytes + (i >> 3)]][i & 7]);
-  return sum / count;
-}
-
-// MeanAt for the eight elements of packed byte `byte`, into mean[0..8), with the same float32
+// SignMeanAt (cores.h) for the eight elements of packed byte `byte`, into mean[0..8), with the same float32
 // operations in the same order (AVX: eight at a time, the sums in one register).
 inline void MeanOfByte(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m, float count,
                        int64_t byte, float* __restrict mean) {
@@ -165,25 +118,25 @@ inline void MeanOfByte(const uint8_t* bits, int64_t num_bytes, const uint32_t* s
   float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   for (int64_t r = 0; r < m; ++r) {
     const uint32_t* mask = kSignMasks.m[bits[r * num_bytes + byte]];
-    for (int l = 0; l < 8; ++l) sum[l] += SignedScale(scale_bits[r], mask[l]);
+    for (int l = 0; l < 8; ++l) sum[l] += BitsFloat(scale_bits[r] ^ mask[l]);
   }
   for (int l = 0; l < 8; ++l) mean[l] = sum[l] / count;
 #endif
 }
 
 // Calls store(i, mean) for each i in [begin, end) and store8(i, mean[0..8)) for each aligned run
-// of eight, with MeanAt's values: each element is stored once.
+// of eight, with SignMeanAt's values: each element is stored once.
 template <typename Store, typename Store8>
 inline void ForEachMean(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m, float count,
                         int64_t begin, int64_t end, Store&& store, Store8&& store8) {
   int64_t i = begin;
-  for (; i < end && (i & 7) != 0; ++i) store(i, MeanAt(bits, num_bytes, scale_bits, m, count, i));
+  for (; i < end && (i & 7) != 0; ++i) store(i, SignMeanAt(bits, num_bytes, scale_bits, 1, m, count, i));
   alignas(32) float mean[8];
   for (; i + 8 <= end; i += 8) {
     MeanOfByte(bits, num_bytes, scale_bits, m, count, i >> 3, mean);
     store8(i, mean);
   }
-  for (; i < end; ++i) store(i, MeanAt(bits, num_bytes, scale_bits, m, count, i));
+  for (; i < end; ++i) store(i, SignMeanAt(bits, num_bytes, scale_bits, 1, m, count, i));
 }
 
 // out[i] = the mean (+ plus[i] with kPlus, added in float32) for i in [begin, end).
@@ -322,8 +275,7 @@ class BlockSignPackOp : public OpKernel {
         for (int64_t p = piece_offset[b]; p < piece_offset[b + 1]; ++p) {
           sum += piece_sum[p];
         }
-        scales[b] = static_cast<float>(sum / static_cast<double>(
-                                                 bounds[b + 1] - bounds[b]));
+        scales[b] = BlockScale(sum, bounds[b + 1] - bounds[b]);
       }
     });
     if constexpr (kResidual) {
@@ -334,11 +286,7 @@ class BlockSignPackOp : public OpKernel {
         for (int64_t c = first; c < last; ++c) {
           const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
           ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-            const float up = scales[b], down = -scales[b];
-            for (int64_t i = begin; i < end; ++i) {
-              const float v = x[i];
-              residual[i] = v - (v < 0.0f ? down : up);
-            }
+            for (int64_t i = begin; i < end; ++i) residual[i] = SignResidual(x[i], scales[b]);
           });
         }
       });

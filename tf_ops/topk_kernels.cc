@@ -1,6 +1,6 @@
 // CPU kernels for TopKAbs, ScatterDense, ZeroAt, GatherAt and ScatterMean.
 //
-// TopKAbs selects on the 31-bit key of |x| (AbsKey in blocks.h). Its result is
+// TopKAbs selects on the 31-bit key of |x| (AbsKey in cores.h). Its result is
 // defined exactly (the k largest keys, ties to the lower index, in index
 // order), so the way it is found never changes it:
 //  - Usually from a sample. A fixed sample of 1/256 of the elements (the
