@@ -100,10 +100,18 @@ class Mailbox:
         """Stops the communication thread once this rank's sends are delivered and every rank closed its mailbox
         (at most CLOSE_TIMEOUT_SECONDS): registered at exit, before Horovod's own shutdown. The ranks meet because
         Horovod's shutdown on one rank finalises MPI on all of them: a rank that closed and left would otherwise
-        pull MPI away from a rank whose thread is still delivering (MPI_Waitall after MPI_Finalize: a crash)."""
+        pull MPI away from a rank whose thread is still delivering (MPI_Waitall after MPI_Finalize: a crash).
+        After an uncaught error it aborts the job instead."""
+        if getattr(sys, "last_value", None) is not None:
+            # An uncaught error ends this rank. MPI_Finalize waits for every rank, so a rank that hangs (the peer
+            # whose messages did not arrive) would hold this one, and the job, forever: abort the job instead,
+            # as mpi4py's `python -m mpi4py` does on an uncaught error.
+            logging.getLogger("hvd_compress").error(
+                "rank %d: an uncaught error ends this rank; aborting the MPI job (MPI_Abort) so that no rank waits "
+                "for it.", self.rank)
+            self.MPI.COMM_WORLD.Abort(1)
         if self.thread.is_alive():
-            failed = getattr(sys, "last_value", None) is not None  # an uncaught error: mpirun ends the job anyway
-            self.jobs.put("leave" if failed else "meet")
+            self.jobs.put("meet")
             self.thread.join(CLOSE_TIMEOUT_SECONDS + 1)
 
     def _run(self):
@@ -114,8 +122,8 @@ class Mailbox:
         MPI, sending = self.MPI, []
         while True:
             job = self.jobs.get()
-            if isinstance(job, str):  # close(); MPI is finalised already after the user's own hvd.shutdown()
-                if job == "meet" and not MPI.Is_finalized():
+            if job == "meet":  # close(); MPI is finalised already after the user's own hvd.shutdown()
+                if not MPI.Is_finalized():
                     self._wait([request for request, _ in sending] + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
                 return
             step, payload, to, senders, inbox, done = job

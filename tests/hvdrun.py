@@ -92,9 +92,14 @@ def horovod_built():
 
 def run_ranks(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
     """Runs tests/workers/<worker> on `np` ranks; returns the per-rank result dicts."""
+    return _launch(launch_command(np, launcher), worker, args, np, f"{worker} on {np} ranks ({launcher})", timeout,
+                   env)
+
+
+def launch_command(np, launcher):
+    """horovodrun's command line for `np` ranks on this machine, launched with "gloo" or "mpi"."""
     assert launcher in LAUNCHERS, launcher
-    return _launch([*LAUNCHER, "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"],
-                   worker, args, np, f"{worker} on {np} ranks ({launcher})", timeout, env)
+    return [*LAUNCHER, "-np", str(np), "-H", f"localhost:{np}", f"--{launcher}"]
 
 
 def check_identical_per_world_size(results, world_sizes):
@@ -142,17 +147,9 @@ def _launch(launcher_cmd, worker, args, np, what, timeout, env):
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvdrun-") as out_dir:
         cmd = [*launcher_cmd, sys.executable, str(WORKERS / worker), "--out_dir", out_dir, *map(str, args)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=worker_env(env), start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"{what} timed out after {timeout}s and was killed.\n$ {' '.join(cmd)}\n{output}",
-                        pytrace=False)
-        if proc.returncode != 0:
-            pytest.fail(f"{what} exited with {proc.returncode}.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
+        returncode, output = _run(cmd, what, timeout, env)
+        if returncode != 0:
+            pytest.fail(f"{what} exited with {returncode}.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
         results = []
         for rank in range(np):
             path = pathlib.Path(out_dir) / f"rank{rank}.json"
@@ -161,6 +158,36 @@ def _launch(launcher_cmd, worker, args, np, what, timeout, env):
             results.append(json.loads(path.read_text()))
         log_launch(what, started)
         return results
+
+
+def run_failing(worker, *args, np=2, launcher="gloo", timeout=240, env=None):
+    """Runs tests/workers/<worker> on `np` ranks, a job that must fail: returns its output once it ended with an
+    error, and fails the test if it succeeded or was still running after `timeout` seconds (a hang)."""
+    what = f"{worker} on {np} ranks ({launcher}), which must fail"
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hvdrun-") as out_dir:
+        cmd = [*launch_command(np, launcher), sys.executable, str(WORKERS / worker), "--out_dir", out_dir,
+               *map(str, args)]
+        returncode, output = _run(cmd, what, timeout, env)
+    if returncode == 0:
+        pytest.fail(f"{what} succeeded.\n$ {' '.join(cmd)}\n{output}", pytrace=False)
+    log_launch(what, started)
+    return output
+
+
+def _run(cmd, what, timeout, env):
+    """(exit status, output) of `cmd` in a session of its own, killed with everything it started, and the test
+    failed, after `timeout` seconds."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=worker_env(env), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} timed out after {timeout}s and was killed.\n$ {' '.join(cmd)}\n{output}",
+                    pytrace=False)
+    return proc.returncode, output
 
 
 def run_hosts(worker, *args, ranks_per_host=(2, 2), timeout=240, env=None):

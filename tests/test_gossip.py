@@ -1,8 +1,10 @@
 """Stochastic Gradient Push under horovodrun: consensus, conserved mass, training."""
+import re
+
 import numpy as np
 import pytest
 
-from hvdrun import DIGITS_EPOCHS, check_sgp_next_to_allreduce, run_ranks
+from hvdrun import DIGITS_EPOCHS, check_sgp_next_to_allreduce, run_failing, run_ranks
 
 #: Cases (tests/workers/gossip_consensus.py) with an exact average every 4th step, at 3 ranks.
 AVERAGE_EVERY_4 = ["ring+every4", "ring+every4+overlap"]
@@ -68,3 +70,14 @@ def test_point_to_point_gossip_under_gloo_is_refused_with_the_launch_to_use():
     results = run_ranks("gossip_rule.py", "--refused", np=2, launcher="gloo")
     for r in results:
         assert "horovodrun --mpi" in r["refused"] and "transport='alltoall'" in r["refused"], r
+
+
+@pytest.mark.parametrize("fail", ["exit", "hang"])
+def test_a_rank_that_dies_or_hangs_mid_gossip_ends_the_job_with_an_error(fail):
+    """Point-to-point gossip at 3 ranks; rank 1 exits, or hangs, at step 3 (tests/workers/gossip_failure.py): the job
+    ends with an error within the launch's timeout; the peers of a hung rank say what they waited for."""
+    output = run_failing("gossip_failure.py", f"--fail={fail}", np=3, launcher="mpi", timeout=150)
+    if fail == "exit":
+        assert re.search(r"Exit code:\s+3", output), output[-3000:]  # mpirun names the rank that left
+    else:  # the peers time out, then abort the job (MPI_Finalize would wait for the hung rank)
+        assert "did not arrive within 10 s" in output and "MPI_ABORT was invoked" in output, output[-3000:]
