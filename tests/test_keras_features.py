@@ -63,13 +63,7 @@ def test_every_method_trains_with_the_feature(keras, matrix, row):
     for method in row_methods(keras, row):
         key = f"{row}/{method}"
         for rank, results in enumerate(matrix):
-            got = results[key]
-            assert got["finite"] and got["weights_finite"], (key, rank, got)
-            # Keras's own AdamW on float16 variables does not train this model either (uncompressed: loss 57.2,
-            # 61.7, 55.9): for 1-bit AdamW the row checks finiteness and identical ranks only.
-            if key != "float16_variables/onebit_adamw":
-                assert got["losses"][-1] < got["losses"][0], (key, rank, got["losses"])
-            assert got["steps_checked"] == (0 if method == "sgp" else 12), (key, rank)
+            check_trains(key, rank, results[key])
         first, second = matrix[0][key], matrix[1][key]
         if row in ("mixed_float16", "explicit_loss_scale"):  # compile() or the user added loss scaling
             assert first["optimizer"] == {"tf_keras": "LossScaleOptimizerV3", "keras3": "LossScaleOptimizer"}[keras]
@@ -88,16 +82,44 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(keras, features):
     """mixed_float16; one sample of rank 1 has an infinite weight at one batch. The skipped step
     counts in the wrapped optimizer's iterations in tf_keras, not in Keras 3 (each Keras's way)."""
     ranks = [r["overflow"] for r in features]
-    counted = {"tf_keras": 1, "keras3": 0}[keras]
     for method in feature_methods(keras):
-        per_rank = [r[method] for r in ranks]
-        for got in per_rank:
-            assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
-            assert got["after"]["state"] == got["before"]["state"], method  # and left every piece of state
-            assert got["after"]["loss_scale"] == got["before"]["loss_scale"] / 2, method
-            assert got["after"]["iterations"] == got["before"]["iterations"] + counted, method
-            assert got["identical"], method
-        assert per_rank[0]["after"]["loss_scale"] == per_rank[1]["after"]["loss_scale"]
+        check_skipped_together(keras, method, [r[method] for r in ranks])
+
+
+def check_trains(key, rank, got):
+    """A matrix entry ("<row>/<method>") of one rank: its state and weights finite, its loss falling, its ranks
+    checked identical after every step (SGP: after consensus only)."""
+    assert got["finite"] and got["weights_finite"], (key, rank, got)
+    # Keras's own AdamW on float16 variables does not train this model either (uncompressed: loss 57.2,
+    # 61.7, 55.9): for 1-bit AdamW the row checks finiteness and identical ranks only.
+    if key != "float16_variables/onebit_adamw":
+        assert got["losses"][-1] < got["losses"][0], (key, rank, got["losses"])
+    assert got["steps_checked"] == (0 if key.split("/")[1].startswith("sgp") else 12), (key, rank)
+
+
+def check_skipped_together(keras, method, per_rank):
+    """The overflow case of one method on every rank: the step skipped on every rank (weights and every piece
+    of state unchanged), the loss scale halved alike."""
+    counted = {"tf_keras": 1, "keras3": 0}[keras]
+    for got in per_rank:
+        assert got["after"]["weights"] == got["before"]["weights"], method  # the step was skipped
+        assert got["after"]["state"] == got["before"]["state"], method  # and left every piece of state
+        assert got["after"]["loss_scale"] == got["before"]["loss_scale"] / 2, method
+        assert got["after"]["iterations"] == got["before"]["iterations"] + counted, method
+        assert got["identical"], method
+    assert per_rank[0]["after"]["loss_scale"] == per_rank[1]["after"]["loss_scale"]
+
+
+def test_point_to_point_sgp_trains_with_the_features_in_keras3():
+    """PushSumOptimizer(transport="mpi") as its users run it: Keras 3's model.fit under an MPI launch, every row
+    of the matrix (mixed precision, loss scaling, bfloat16, Embeddings, clipping...) and one rank's overflow,
+    held to SGP's checks above."""
+    ranks = [r["results"] for r in run_ranks("keras_features.py", "--methods=sgp_mpi", "--cases=matrix,overflow",
+                                             np=2, launcher="mpi", timeout=600, env=KERASES["keras3"])]
+    for row in ROWS:
+        for rank, results in enumerate(ranks):
+            check_trains(f"{row}/sgp_mpi", rank, results["matrix"][f"{row}/sgp_mpi"])
+    check_skipped_together("keras3", "sgp_mpi", [r["overflow"]["sgp_mpi"] for r in ranks])
 
 
 def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras, features):

@@ -88,6 +88,11 @@ def weights_digest(model):
     return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
 
 
+def is_gossip(method):
+    """Whether a method of the workers is SGP ("sgp", "sgp_mpi"), whose ranks agree only after consensus."""
+    return method.startswith("sgp")
+
+
 class IdenticalRanks(tf.keras.callbacks.Callback):
     """Every rank must hold bit-identical weights after every batch (counted in `checked`).
     Skipped for SGP, whose ranks agree only after gossip.consensus.
@@ -102,11 +107,11 @@ class IdenticalRanks(tf.keras.callbacks.Callback):
         self.method, self.checked, self.recorded = method, 0, []
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.method != "sgp":
+        if not is_gossip(self.method):
             self.recorded.append(weights_digest(self.model))
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.method == "sgp":
+        if is_gossip(self.method):
             return
         everyone = hvd_tf.allgather_object(self.recorded, name="identical_ranks")
         assert len({len(r) for r in everyone}) == 1, f"{self.method}: ranks ran {[len(r) for r in everyone]} batches"

@@ -24,12 +24,14 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd_tf
 import hvd_compress as hc
-from _worker import (IdenticalRanks, compression, define_list_of, distributed_optimizer, keras_and_broadcast, report,
-                     weights_digest)
+from _worker import (IdenticalRanks, compression, define_list_of, distributed_optimizer, is_gossip, keras_and_broadcast,
+                     report, weights_digest)
 
 ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_variables", "bfloat16_variables",
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]
-METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp", "fp16"]
+#: sgp_mpi: SGP over MPI point to point (an MPI launch).
+METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powersgd", "sketch", "fetchsgd", "sgp", "sgp_mpi",
+           "fp16"]
 CASES = ["matrix", "overflow", "clipping", "metrics"]
 define_list_of("cases", CASES, CASES, "Cases.")
 define_list_of("rows", ROWS, ROWS, "Matrix rows.")
@@ -42,8 +44,8 @@ BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
 
 
 def wrap(sgd, method):
-    if method == "sgp":
-        return hc.PushSumOptimizer(sgd, graph="exponential2")
+    if is_gossip(method):
+        return hc.PushSumOptimizer(sgd, graph="exponential2", transport="mpi" if method == "sgp_mpi" else "alltoall")
     return distributed_optimizer(sgd, method, min_compress_size=64)
 
 
@@ -119,7 +121,7 @@ def train(keras, row, method):
         broadcast = [] if row == "bfloat16_variables" else [BROADCAST(0)]
         history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                             callbacks=broadcast + [identical])
-        if method == "sgp":
+        if is_gossip(method):
             hc.gossip.consensus(model)
             everyone = hvd_tf.allgather_object(weights_digest(model), name="consensus")
             assert len(set(everyone)) == 1, "sgp: ranks differ after consensus"
@@ -134,7 +136,7 @@ def train(keras, row, method):
         if row == "unused_layer":
             result["unused_moved"] = float(max(np.abs(np.array(w) - b).max()
                                                for w, b in zip(model.unused.weights, unused_before)))
-        if method != "sgp":
+        if not is_gossip(method):
             result["bytes_per_step"] = float(inner(opt).compression_exchange.bytes_sent)
             result["uncompressed_bytes_per_step"] = float(inner(opt).compression_exchange.uncompressed_bytes)
         return result
@@ -176,7 +178,7 @@ def overflow(keras, method):
         model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[BROADCAST(0), watch])
         everyone = hvd_tf.allgather_object(weights_digest(model), name="after_overflow")
-        return dict(before=watch.before, after=watch.after, identical=len(set(everyone)) == 1 or method == "sgp",
+        return dict(before=watch.before, after=watch.after, identical=len(set(everyone)) == 1 or is_gossip(method),
                     inner_is_loss_scaled=type(model.optimizer).__name__)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -243,7 +245,7 @@ def run_case(keras, case):
         return {method: overflow(keras, method) for method in FLAGS.methods}
     return {f"{name}/{method}": clipped_movements(keras, method, clip)
             for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0)))
-            for method in ["none"] + [m for m in FLAGS.methods if m != "sgp"]}
+            for method in ["none"] + [m for m in FLAGS.methods if not is_gossip(m)]}
 
 
 def main(_):
