@@ -13,8 +13,10 @@
 
 #if defined(__CUDACC__)
 #define HC_HOST_DEVICE __host__ __device__
+#define HC_UNROLL_8 _Pragma("unroll 8")
 #else
 #define HC_HOST_DEVICE
+#define HC_UNROLL_8
 #endif
 
 namespace hvd_compress {
@@ -84,6 +86,7 @@ HC_HOST_DEVICE inline uint32_t BitAt(const uint8_t* bits, int64_t i) { return (b
 template <typename Load>
 HC_HOST_DEVICE inline double LaneAbsSum(const Load& x, int64_t begin, int64_t end, int lane) {
   double sum = 0;
+  HC_UNROLL_8  // loads issued ahead on the GPU; the additions stay in order
   for (int64_t i = begin + lane; i < end; i += 8) sum += static_cast<double>(BitsFloat(AbsKey(x(i))));
   return sum;
 }
@@ -129,6 +132,158 @@ HC_HOST_DEVICE inline void MomentumErrorFeedAt(float grad, float m, float e, flo
   const float velocity = mu * m + grad;
   *m_new = velocity;
   *a = lr * (nesterov ? mu * velocity + grad : velocity) + residual_scale * e;
+}
+
+// ---- Top-k sparsification (Aji & Heafield 2017; Stich et al. 2018): TopKAbs's keys and tie rule ----
+// TopKAbs takes the k largest AbsKey(x) of its input, ties at the k-th key to the lower index, in index order.
+
+// 15-bit keys of a float16 / bfloat16 |x| from its bits, ordered exactly as AbsKey of its float32 value
+// (conversion to float32 is exact and monotone), so a select on them takes the same elements. A float16
+// signalling NaN is first made quiet, as the CPU's conversion to float32 does (x86 F16C, ARM fcvt);
+// bfloat16 converts by a shift, which keeps every NaN's bits.
+HC_HOST_DEVICE inline uint32_t HalfAbsKey(uint16_t bits) {
+  const uint32_t key = bits & 0x7fffu;
+  return key > 0x7c00u ? key | 0x0200u : key;
+}
+HC_HOST_DEVICE inline uint32_t Bf16AbsKey(uint16_t bits) { return bits & 0x7fffu; }
+
+// How many of a piece's `ties` keys equal to the threshold are taken, when the selection takes the first
+// `ties_to_take` of them in index order and `ties_before` lie in earlier pieces.
+HC_HOST_DEVICE inline int64_t TiesTaken(int64_t ties_to_take, int64_t ties_before, int64_t ties) {
+  const int64_t left = ties_to_take - ties_before;
+  return left < 0 ? 0 : (left < ties ? left : ties);
+}
+
+// ---- Count sketch (Charikar et al. 2002; sketched SGD, Ivkin et al. 2019; FetchSGD): the query's median ----
+// The hash, buckets and regions are in sketch_hash.h. Row j's value of coordinate i is s_j(i) * sketch[j, h_j(i)];
+// the estimate is the median of the rows' values (SketchMedian): NaN sorts after everything, so a NaN in most
+// rows makes the estimate NaN. 3 and 5 rows take a min/max network over integer keys (MedianKey), in which -0
+// sorts before +0; other row counts a stable insertion sort (MedianBySort), in which -0 and +0 tie and keep
+// their row order. Both pick one of the values (bits and all), or for an even count the mean of the middle two.
+
+// a sorts before b: the float order with every NaN last (NaNs tie).
+HC_HOST_DEVICE inline bool MedianSortsBefore(float a, float b) { return a < b || (a == a && b != b); }
+
+// An int32 key per float whose order is the float order with every NaN last (negative floats' magnitude bits
+// flipped; NaN as the largest key), and back (a NaN key gives a NaN). Min and max of keys need no branches,
+// so the CPU kernel vectorizes the 3- and 5-row networks over a tile of coordinates.
+HC_HOST_DEVICE inline int32_t MedianKey(float x) {
+  int32_t bits = static_cast<int32_t>(FloatBits(x));
+  bits ^= (bits >> 31) & 0x7FFFFFFF;
+  return x != x ? INT32_MAX : bits;
+}
+HC_HOST_DEVICE inline float MedianKeyFloat(int32_t key) {
+  key ^= (key >> 31) & 0x7FFFFFFF;
+  return BitsFloat(static_cast<uint32_t>(key));
+}
+HC_HOST_DEVICE inline int32_t MinKey(int32_t a, int32_t b) { return b < a ? b : a; }
+HC_HOST_DEVICE inline int32_t MaxKey(int32_t a, int32_t b) { return a < b ? b : a; }
+HC_HOST_DEVICE inline int32_t Median3Keys(int32_t a, int32_t b, int32_t c) {
+  return MaxKey(MinKey(a, b), MinKey(MaxKey(a, b), c));
+}
+HC_HOST_DEVICE inline int32_t Median5Keys(int32_t a, int32_t b, int32_t c, int32_t d, int32_t e) {
+  return Median3Keys(e, MaxKey(MinKey(a, b), MinKey(c, d)), MinKey(MaxKey(a, b), MaxKey(c, d)));
+}
+
+// The median of v[0..rows) by a stable insertion sort under MedianSortsBefore (v is reordered): v[rows / 2], or
+// for an even count (v[rows / 2 - 1] + v[rows / 2]) / 2 in float32.
+HC_HOST_DEVICE inline float MedianBySort(float* v, int64_t rows) {
+  for (int64_t a = 1; a < rows; ++a) {  // a handful of rows
+    const float u = v[a];
+    int64_t b = a;
+    for (; b > 0 && MedianSortsBefore(u, v[b - 1]); --b) v[b] = v[b - 1];
+    v[b] = u;
+  }
+  return rows % 2 ? v[rows / 2] : (v[rows / 2 - 1] + v[rows / 2]) / 2.0f;
+}
+
+// The estimate of one coordinate from its rows' values v[0..rows) (rows >= 1; v may be reordered).
+HC_HOST_DEVICE inline float SketchMedian(float* v, int64_t rows) {
+  if (rows == 1) return v[0];
+  if (rows == 3) return MedianKeyFloat(Median3Keys(MedianKey(v[0]), MedianKey(v[1]), MedianKey(v[2])));
+  if (rows == 5) {
+    return MedianKeyFloat(
+        Median5Keys(MedianKey(v[0]), MedianKey(v[1]), MedianKey(v[2]), MedianKey(v[3]), MedianKey(v[4])));
+  }
+  return MedianBySort(v, rows);
+}
+
+// ---- Blockwise low-bit quantization (Compression.quantize; format in quantize_ops.cc) ----
+
+HC_HOST_DEVICE inline float QuantizeLevels(int bits) { return static_cast<float>((1 << bits) - 1); }
+
+HC_HOST_DEVICE inline int64_t QuantizePackedBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
+// The stochastic draws: u_i = (splitmix64(QuantizeSeedBase(key, counter) ^ i) >> 40) * 2^-24, exact in float32.
+HC_HOST_DEVICE inline uint64_t QuantizeSeedBase(int64_t key, int64_t counter) {
+  return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) ^
+         (static_cast<uint64_t>(counter) * 0xC2B2AE3D27D4EB4Full);
+}
+
+HC_HOST_DEVICE inline float QuantizeUniform(uint64_t base, int64_t i) {
+  uint64_t z = (base ^ static_cast<uint64_t>(i)) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<int32_t>(z >> 40)) * 0x1p-24f;  // 24 bits: exact
+}
+
+// A block's (or a piece's) min, max and whether any element is NaN or +-Inf.
+struct QuantizeStats {
+  float lo, hi;
+  bool non_finite;
+};
+
+// One element's statistics: x - x is +0 for a finite x and NaN otherwise.
+HC_HOST_DEVICE inline QuantizeStats QuantizeStatsOf(float v) { return QuantizeStats{v, v, !(v - v == 0.0f)}; }
+
+// Order-free merge (min and max are exact; the zero signs are fixed by the + 0.0f in QuantizeFinish).
+HC_HOST_DEVICE inline QuantizeStats QuantizeMerge(QuantizeStats a, const QuantizeStats& b) {
+  a.lo = b.lo < a.lo ? b.lo : a.lo;
+  a.hi = b.hi > a.hi ? b.hi : a.hi;
+  a.non_finite = a.non_finite || b.non_finite;
+  return a;
+}
+
+// A block's decode and code parameters.
+struct QuantizeParams {
+  float offset, scale, inv;
+};
+
+HC_HOST_DEVICE inline QuantizeParams QuantizeFinish(const QuantizeStats& s, int bits) {
+  const float levels = QuantizeLevels(bits);
+  const float lo = s.lo + 0.0f, hi = s.hi + 0.0f;  // -0 -> +0
+  const float range = hi - lo;
+  if (s.non_finite || !(range <= BitsFloat(0x7f7fffffu))) {  // FLT_MAX
+    const float nan = BitsFloat(0x7fc00000u);
+    return QuantizeParams{nan, nan, 0.0f};  // v = (x - NaN) * 0 is NaN, whose code is 0
+  }
+  return QuantizeParams{lo, range / levels, range > 0.0f ? levels / range : 0.0f};
+}
+
+HC_HOST_DEVICE inline float QuantizeFloor(float v) {
+#if defined(__CUDA_ARCH__)
+  return floorf(v);
+#else
+  return __builtin_floorf(v);
+#endif
+}
+
+// The code of v as a float in [0, levels]: floor((v - offset) * inv + add), NaN -> 0 (as max(NaN, 0) = 0),
+// clamped to levels. add: u_i (stochastic) or 0.5f (deterministic).
+HC_HOST_DEVICE inline float QuantizeLevel(float v, const QuantizeParams& p, float add, float levels) {
+  float f = QuantizeFloor((v - p.offset) * p.inv + add);
+  f = f > 0.0f ? f : 0.0f;
+  return f < levels ? f : levels;
+}
+
+// The decoded value of a code (as a float): two float32 roundings, no FMA.
+HC_HOST_DEVICE inline float QuantizeDecode(float offset, float code, float scale) { return offset + code * scale; }
+
+// Element j's code in a packed vector: bits [j * bits, (j + 1) * bits), LSB first.
+HC_HOST_DEVICE inline uint32_t QuantizeCodeAt(const uint8_t* packed, int bits, int64_t j) {
+  const int64_t bit = j * bits;
+  return (static_cast<uint32_t>(packed[bit >> 3]) >> (bit & 7)) & ((1u << bits) - 1u);
 }
 
 }  // namespace hvd_compress

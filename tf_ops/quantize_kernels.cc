@@ -12,6 +12,10 @@
 // coding while the block is still in cache), and twice for the pieces of
 // blocks that cross the chunk grid (statistics of every piece first, coding
 // once the whole block is known).
+//
+// The per-element and per-block arithmetic (draws, statistics, parameters, codes, decoding) is
+// cores.h's Quantize*, which the GPU kernels (gpu/quantize_kernels.cu) run too; the SIMD paths
+// below do the same float32 operations in the same order.
 #include <cmath>
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -36,31 +40,17 @@ namespace {
 // Elements coded or decoded at a time through stack buffers (L1-sized).
 constexpr int64_t kTile = 1024;
 
-inline int64_t PackedBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
-
 absl::Status CheckBits(int64_t bits) {
   if (bits != 2 && bits != 4 && bits != 8) return InvalidArgument("bits must be 2, 4 or 8, got ", bits);
   return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------
-// Stochastic draws: u_i = (splitmix64(SeedBase(key, counter) ^ i) >> 40) * 2^-24.
-
-inline uint64_t SeedBase(int64_t key, int64_t counter) {
-  return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(counter) * 0xC2B2AE3D27D4EB4Full);
-}
-
-inline float Uniform(uint64_t base, int64_t i) {
-  uint64_t z = (base ^ static_cast<uint64_t>(i)) + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<float>(static_cast<int32_t>(z >> 40)) * 0x1p-24f;  // 24 bits: exact
-}
+// Stochastic draws: u_i = QuantizeUniform(QuantizeSeedBase(key, counter), i) (cores.h).
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HVD_COMPRESS_QUANTIZE_AVX512 1
-// Uniform for 8 indices at a time with AVX-512DQ's 64-bit multiply (the same arithmetic).
+// QuantizeUniform for 8 indices at a time with AVX-512DQ's 64-bit multiply (the same arithmetic).
 __attribute__((target("avx512f,avx512dq"))) void UniformsAvx512(uint64_t base, int64_t first, int64_t len,
                                                                  float* out) {
   const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull));
@@ -78,7 +68,7 @@ __attribute__((target("avx512f,avx512dq"))) void UniformsAvx512(uint64_t base, i
     _mm256_storeu_ps(out + l, u);
     index = _mm512_add_epi64(index, step);
   }
-  for (; l < len; ++l) out[l] = Uniform(base, first + l);
+  for (; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
 }
 
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
@@ -89,27 +79,14 @@ void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
 #if defined(HVD_COMPRESS_QUANTIZE_AVX512)
   if (kHasAvx512) return UniformsAvx512(base, first, len, out);
 #endif
-  for (int64_t l = 0; l < len; ++l) out[l] = Uniform(base, first + l);
+  for (int64_t l = 0; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
 }
 
 // ---------------------------------------------------------------------------
-// Block statistics: min, max and whether any element is NaN or +-Inf.
+// Block statistics (QuantizeStats): min, max and whether any element is NaN or +-Inf.
 
-struct Stats {
-  float lo, hi;
-  bool non_finite;
-};
-
-// Order-free merge (min and max are exact; the zero signs are fixed by the + 0.0f in Finish).
-inline Stats Merge(Stats a, const Stats& b) {
-  a.lo = b.lo < a.lo ? b.lo : a.lo;
-  a.hi = b.hi > a.hi ? b.hi : a.hi;
-  a.non_finite = a.non_finite || b.non_finite;
-  return a;
-}
-
-Stats PieceStats(const float* x, int64_t len) {
-  Stats s{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), false};
+QuantizeStats PieceStats(const float* x, int64_t len) {
+  QuantizeStats s{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), false};
   int64_t i = 0;
 #if defined(__AVX__)
   // x - x is +0 for a finite x and NaN otherwise: OR its bits together.
@@ -125,29 +102,10 @@ Stats PieceStats(const float* x, int64_t len) {
   _mm256_store_ps(lo8, lo);
   _mm256_store_ps(hi8, hi);
   _mm256_store_ps(reinterpret_cast<float*>(bad8), bad);
-  for (int l = 0; l < 8; ++l) s = Merge(s, Stats{lo8[l], hi8[l], bad8[l] != 0});
+  for (int l = 0; l < 8; ++l) s = QuantizeMerge(s, QuantizeStats{lo8[l], hi8[l], bad8[l] != 0});
 #endif
-  for (; i < len; ++i) {
-    const float v = x[i];
-    s = Merge(s, Stats{v, v, !(v - v == 0.0f)});
-  }
+  for (; i < len; ++i) s = QuantizeMerge(s, QuantizeStatsOf(x[i]));
   return s;
-}
-
-// A block's decode and code parameters.
-struct Params {
-  float offset, scale, inv;
-};
-
-inline Params Finish(Stats s, int bits) {
-  const float levels = static_cast<float>((1 << bits) - 1);
-  const float lo = s.lo + 0.0f, hi = s.hi + 0.0f;  // -0 -> +0
-  const float range = hi - lo;
-  if (s.non_finite || !(range <= std::numeric_limits<float>::max())) {
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    return {nan, nan, 0.0f};  // v = (x - NaN) * 0 is NaN, whose code is 0
-  }
-  return {lo, range / levels, range > 0.0f ? levels / range : 0.0f};
 }
 
 // ---------------------------------------------------------------------------
@@ -160,11 +118,6 @@ inline void PutCode(uint8_t* packed, int bits, int64_t j, uint8_t code) {
   const uint8_t mask = static_cast<uint8_t>(((1u << bits) - 1u) << shift);
   uint8_t& byte = packed[bit >> 3];
   byte = static_cast<uint8_t>((byte & ~mask) | (code << shift));
-}
-
-inline uint8_t GetCode(const uint8_t* packed, int bits, int64_t j) {
-  const int64_t bit = j * bits;
-  return static_cast<uint8_t>((packed[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u));
 }
 
 // Writes codes q[0, len) as elements [begin, begin + len) of packed; the bytes
@@ -192,7 +145,7 @@ void PackCodes(const uint8_t* q, int64_t begin, int64_t len, int bits, uint8_t* 
 // Coding: x[0, len) of one block -> codes q[0, len) and residual[0, len).
 // add[l] is u_i (stochastic) or 0.5 (deterministic). residual may be x.
 
-void CodeTile(const float* x, const float* add, int64_t len, const Params& p, float levels, uint8_t* q,
+void CodeTile(const float* x, const float* add, int64_t len, const QuantizeParams& p, float levels, uint8_t* q,
               float* residual) {
   int64_t i = 0;
 #if defined(__AVX__)
@@ -210,19 +163,17 @@ void CodeTile(const float* x, const float* add, int64_t len, const Params& p, fl
 #endif
   for (; i < len; ++i) {
     const float v = x[i];
-    float f = std::floor((v - p.offset) * p.inv + add[i]);
-    f = f > 0.0f ? f : 0.0f;  // NaN -> 0
-    f = f < levels ? f : levels;
+    const float f = QuantizeLevel(v, p, add[i], levels);
     q[i] = static_cast<uint8_t>(f);
-    residual[i] = v - (p.offset + f * p.scale);
+    residual[i] = v - QuantizeDecode(p.offset, f, p.scale);
   }
 }
 
 // Codes elements [begin, end) of one block into packed and residual.
 template <bool kStochastic>
-void CodePiece(const float* x, int64_t begin, int64_t end, const Params& p, int bits, uint64_t seed_base,
+void CodePiece(const float* x, int64_t begin, int64_t end, const QuantizeParams& p, int bits, uint64_t seed_base,
                uint8_t* packed, float* residual) {
-  const float levels = static_cast<float>((1 << bits) - 1);
+  const float levels = QuantizeLevels(bits);
   alignas(32) uint8_t q[kTile];
   alignas(32) float add[kTile];
   if (!kStochastic) std::fill(add, add + std::min(kTile, end - begin), 0.5f);
@@ -255,7 +206,8 @@ template <int kBits>
 void DecodeRun(const uint8_t* packed, int64_t begin, int64_t len, float offset, float scale, bool first,
                float* __restrict acc) {
   auto one = [&](int64_t l) {
-    acc[l] = (first ? 0.0f : acc[l]) + (offset + static_cast<float>(GetCode(packed, kBits, begin + l)) * scale);
+    const float code = static_cast<float>(QuantizeCodeAt(packed, kBits, begin + l));
+    acc[l] = (first ? 0.0f : acc[l]) + QuantizeDecode(offset, code, scale);
   };
   int64_t l = 0;
   for (; l < len && ((begin + l) & 7) != 0; ++l) one(l);
@@ -312,10 +264,10 @@ class BlockQuantizeCompressOp : public OpKernel {
     const int64_t num_blocks = bounds_tensor.NumElements() - 1;
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
     const auto seed = seed_tensor.flat<int64_t>();
-    const uint64_t seed_base = SeedBase(seed(0), seed(1));
+    const uint64_t seed_base = QuantizeSeedBase(seed(0), seed(1));
 
     Tensor *packed_tensor = nullptr, *scales_tensor = nullptr, *offsets_tensor = nullptr, *residual_tensor = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({PackedBytes(n, bits_)}), &packed_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({QuantizePackedBytes(n, bits_)}), &packed_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}), &scales_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_blocks}), &offsets_tensor));
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x_tensor.shape(), &residual_tensor));
@@ -335,11 +287,11 @@ class BlockQuantizeCompressOp : public OpKernel {
       piece_offset[b + 1] = piece_offset[b] + (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1;
     }
     const bool all_local = piece_offset[num_blocks] == num_blocks;
-    std::vector<Stats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);
-    std::vector<Params> params(num_blocks);
+    std::vector<QuantizeStats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);
+    std::vector<QuantizeParams> params(num_blocks);
     auto local = [&](int64_t b) { return bounds[b] / kChunk == (bounds[b + 1] - 1) / kChunk; };
-    auto finish = [&](int64_t b, const Stats& s) {
-      params[b] = Finish(s, bits);
+    auto finish = [&](int64_t b, const QuantizeStats& s) {
+      params[b] = QuantizeFinish(s, bits);
       scales[b] = params[b].scale;
       offsets[b] = params[b].offset;
     };
@@ -350,7 +302,7 @@ class BlockQuantizeCompressOp : public OpKernel {
       for (int64_t c = first; c < last; ++c) {
         const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
         ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-          const Stats s = PieceStats(x + begin, end - begin);
+          const QuantizeStats s = PieceStats(x + begin, end - begin);
           if (local(b)) {
             finish(b, s);
             code(x, begin, end, params[b], bits, seed_base, packed, residual);
@@ -364,8 +316,8 @@ class BlockQuantizeCompressOp : public OpKernel {
     // Pass 2 (tiny): the other blocks' parameters from their pieces.
     for (int64_t b = 0; b < num_blocks; ++b) {
       if (local(b)) continue;
-      Stats s = piece_stats[piece_offset[b]];
-      for (int64_t p = piece_offset[b] + 1; p < piece_offset[b + 1]; ++p) s = Merge(s, piece_stats[p]);
+      QuantizeStats s = piece_stats[piece_offset[b]];
+      for (int64_t p = piece_offset[b] + 1; p < piece_offset[b + 1]; ++p) s = QuantizeMerge(s, piece_stats[p]);
       finish(b, s);
     }
     // Pass 3: code the pieces of the blocks that cross the chunk grid.
@@ -414,7 +366,7 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
     const int64_t n = bounds[num_blocks];
     OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
     const int bits = bits_;
-    const int64_t num_bytes = PackedBytes(n, bits);
+    const int64_t num_bytes = QuantizePackedBytes(n, bits);
     OP_REQUIRES(ctx, packed_tensor.dims() == 2 && scales_tensor.dims() == 2 && offsets_tensor.dims() == 2,
                 InvalidArgument("packed, scales and offsets must have rank 2 ([m, ...]), got shapes ",
                                 packed_tensor.shape().DebugString(), ", ", scales_tensor.shape().DebugString(),

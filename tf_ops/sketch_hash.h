@@ -1,28 +1,30 @@
 // The count-sketch hash: bucket and sign of coordinate i in row j, from the
 // seed alone (splitmix64 mixing, Lemire's multiply-shift range reduction).
-// Must match sketch_hash in tests/np_reference.py.
+// Must match sketch_hash in tests/np_reference.py. Integer arithmetic only, shared by the CPU kernels
+// (sketch_kernels.cc) and the GPU kernels (gpu/sketch_kernels.cu): __host__ __device__ under nvcc.
 #ifndef HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_
 #define HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_
 
-#include <algorithm>
 #include <cstdint>
+
+#include "cores.h"
 
 namespace hvd_compress {
 
-inline uint64_t Mix64(uint64_t z) {
+HC_HOST_DEVICE inline uint64_t Mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
 // The seed of a step's hashes: step 0 hashes with `seed` itself.
-inline int64_t SketchSeed(int64_t seed, int64_t step) {
+HC_HOST_DEVICE inline int64_t SketchSeed(int64_t seed, int64_t step) {
   return static_cast<int64_t>(static_cast<uint64_t>(seed) +
                               static_cast<uint64_t>(step) * 0x632BE59BD9B4E019ull);
 }
 
 // Per-row key: computed once per row, then combined with each coordinate.
-inline uint64_t RowKey(int64_t seed, int64_t row) {
+HC_HOST_DEVICE inline uint64_t RowKey(int64_t seed, int64_t row) {
   return Mix64(static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull +
                static_cast<uint64_t>(row + 1) * 0xD1B54A32D192ED03ull);
 }
@@ -32,7 +34,7 @@ struct BucketSign {
   float sign;
 };
 
-inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t cols) {
+HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t cols) {
   const uint64_t z = Mix64(row_key + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull);
   const uint64_t high = z >> 32;
   return {static_cast<int64_t>((high * static_cast<uint64_t>(cols)) >> 32),
@@ -52,13 +54,23 @@ struct Regions {
   int64_t per_segment;  // L
   int64_t cols;
 
-  int64_t First(int64_t s) const { return s * cols / count; }  // first column of region s
-  int64_t Width(int64_t s) const { return First(s + 1) - First(s); }
+  HC_HOST_DEVICE int64_t First(int64_t s) const { return s * cols / count; }  // first column of region s
+  HC_HOST_DEVICE int64_t Width(int64_t s) const { return First(s + 1) - First(s); }
 };
 
-inline Regions RegionsOf(int64_t n, int64_t cols) {
+HC_HOST_DEVICE inline Regions RegionsOf(int64_t n, int64_t cols) {
   const int64_t count = (cols + kRegionCols - 1) / kRegionCols;
-  return {count, std::max<int64_t>(1, (n + count - 1) / count), cols};
+  const int64_t per_segment = (n + count - 1) / count;
+  return {count, per_segment > 1 ? per_segment : 1, cols};
+}
+
+// The cell of coordinate i (0 <= i < n) in the row of `row_key` under the regions r: its column in
+// [0, cols) (the first column of its segment's region plus its hash into the region's width) and its sign.
+HC_HOST_DEVICE inline BucketSign SketchCell(const Regions& r, uint64_t row_key, int64_t i) {
+  const int64_t s = i / r.per_segment;
+  const int64_t first = r.First(s);
+  const BucketSign h = SketchHash(row_key, i, r.First(s + 1) - first);
+  return {first + h.bucket, h.sign};
 }
 
 }  // namespace hvd_compress

@@ -8,7 +8,8 @@
 // the core's L2 cache. Every cell is thus summed in increasing coordinate order
 // by one thread, whatever the thread count: the result equals np.add.at in the
 // NumPy reference. CountSketchQuery hashes the same way and is parallel over
-// chunks of i; CountSketchBuckets returns the cells of a few given coordinates.
+// chunks of i; CountSketchBuckets returns the cells of a few given coordinates. The hash (sketch_hash.h) and
+// the medians (cores.h) are shared with the GPU kernels (gpu/sketch_kernels.cu).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -161,46 +162,9 @@ class CountSketchOp : public OpKernel {
   int64_t rows_, cols_;
 };
 
-inline bool SortsBefore(float a, float b) {
-  return a < b || (!std::isnan(a) && std::isnan(b));
-}
-
-// An int32 key per float whose order is the float order with every NaN last
-// (negative floats' magnitude bits flipped; NaN as the largest key), and back.
-// Medians of 3 and 5 take min and max of keys by a network with no branches,
-// so the compiler vectorizes them over a tile (with float compares and NaN
-// checks the branches mispredicted on random data: 0.24 GB/s for 5 rows).
-inline int32_t OrderKey(float x) {
-  int32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits ^= (bits >> 31) & 0x7FFFFFFF;
-  return std::isnan(x) ? INT32_MAX : bits;
-}
-inline float FromOrderKey(int32_t key) {
-  key ^= (key >> 31) & 0x7FFFFFFF;
-  float x;
-  std::memcpy(&x, &key, sizeof x);
-  return x;
-}
-inline int32_t Median3(int32_t a, int32_t b, int32_t c) {
-  return std::max(std::min(a, b), std::min(std::max(a, b), c));
-}
-inline int32_t Median5(int32_t a, int32_t b, int32_t c, int32_t d, int32_t e) {
-  return Median3(e, std::max(std::min(a, b), std::min(c, d)), std::min(std::max(a, b), std::max(c, d)));
-}
-
-// The median of v[0..rows) for rows other than 3 and 5 (v is reordered); for an
-// even count the mean of the two middle values. NaN sorts last, so a NaN in most
-// rows makes it NaN.
-inline float Median(float* v, int64_t rows) {
-  for (int64_t a = 1; a < rows; ++a) {  // insertion sort: a handful of rows
-    const float u = v[a];
-    int64_t b = a;
-    for (; b > 0 && SortsBefore(u, v[b - 1]); --b) v[b] = v[b - 1];
-    v[b] = u;
-  }
-  return rows % 2 ? v[rows / 2] : (v[rows / 2 - 1] + v[rows / 2]) / 2.0f;
-}
+// The medians are cores.h's (SketchMedian): MedianKey's 3- and 5-row networks run vectorized over a tile of
+// coordinates (with float compares and NaN checks the branches mispredicted on random data: 0.24 GB/s for 5
+// rows), MedianBySort for other row counts.
 
 constexpr int64_t kTile = 1024;  // coordinates a query takes the medians of at a time
 
@@ -247,19 +211,19 @@ class CountSketchQueryOp : public OpKernel {
           const float* v = values.data();
           if (rows == 3 || rows == 5) {  // a min/max network over keys, vectorized over t
             for (int64_t j = 0; j < rows; ++j) {
-              for (int64_t t = 0; t < len; ++t) keyed[j * len + t] = OrderKey(v[j * kTile + t]);
+              for (int64_t t = 0; t < len; ++t) keyed[j * len + t] = MedianKey(v[j * kTile + t]);
             }
             const int32_t* k = keyed.data();
             for (int64_t t = 0; t < len; ++t) {
-              estimate[lo + t] = FromOrderKey(
-                  rows == 3 ? Median3(k[t], k[len + t], k[2 * len + t])
-                            : Median5(k[t], k[len + t], k[2 * len + t], k[3 * len + t], k[4 * len + t]));
+              estimate[lo + t] = MedianKeyFloat(
+                  rows == 3 ? Median3Keys(k[t], k[len + t], k[2 * len + t])
+                            : Median5Keys(k[t], k[len + t], k[2 * len + t], k[3 * len + t], k[4 * len + t]));
             }
             continue;
           }
           for (int64_t t = 0; t < len; ++t) {
             for (int64_t j = 0; j < rows; ++j) column[j] = v[j * kTile + t];
-            estimate[lo + t] = Median(column.data(), rows);
+            estimate[lo + t] = MedianBySort(column.data(), rows);
           }
         }
       }
@@ -305,10 +269,7 @@ class CountSketchBucketsOp : public OpKernel {
     const Regions regions = RegionsOf(n, cols_);
     for (int64_t j = 0; j < rows_; ++j) {
       const uint64_t key = RowKey(seed, j);
-      for (int64_t t = 0; t < m; ++t) {
-        const int64_t s = indices[t] / regions.per_segment;
-        buckets[j * m + t] = regions.First(s) + SketchHash(key, indices[t], regions.Width(s)).bucket;
-      }
+      for (int64_t t = 0; t < m; ++t) buckets[j * m + t] = SketchCell(regions, key, indices[t]).bucket;
     }
   }
 

@@ -119,7 +119,7 @@ void WriteSelection(OpKernelContext* ctx, const std::vector<Piece<T>>& pieces, u
   std::vector<int64_t> offset(num_pieces + 1, 0), ties_taken(num_pieces);
   int64_t ties_before = 0;
   for (int64_t s = 0; s < num_pieces; ++s) {
-    ties_taken[s] = std::clamp<int64_t>(ties_to_take - ties_before, 0, ties[s]);
+    ties_taken[s] = TiesTaken(ties_to_take, ties_before, ties[s]);  // cores.h, as the GPU kernel
     ties_before += ties[s];
     offset[s + 1] = offset[s] + greater[s] + ties_taken[s];
   }

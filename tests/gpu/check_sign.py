@@ -29,15 +29,15 @@ def inputs(rng, n, dtype):
 def pack(run, x, bounds, dtype, residual=False):
     """(bits, scales, residual or None) from the GPU."""
     cp, k = run.cp, run.k
-    n = int(bounds[-1])
-    bits, scales = cp.empty((n + 7) // 8, cp.uint8), cp.empty(len(bounds) - 1, cp.float32)
-    workspace = cp.empty(k.hc_sign_pack_workspace_bytes(bounds, len(bounds) - 1), cp.uint8)
-    x_device = cp.asarray(x)
+    n, blocks = int(bounds[-1]), len(bounds) - 1
+    bits, scales = cp.empty((n + 7) // 8, cp.uint8), cp.empty(blocks, cp.float32)
+    workspace = cp.empty(k.hc_sign_pack_workspace_bytes(n, blocks), cp.uint8)
+    x_device, bounds_device = cp.asarray(x), cp.asarray(bounds)
     if dtype == "f32":
         out = cp.empty_like(x_device) if residual else None
-        k.hc_sign_pack_f32(x_device, bounds, len(bounds) - 1, bits, scales, out, workspace, None)
+        k.hc_sign_pack_f32(x_device, n, bounds_device, blocks, bits, scales, out, workspace, None)
         return bits, scales, out
-    getattr(k, f"hc_sign_pack_{dtype}")(x_device, bounds, len(bounds) - 1, bits, scales, workspace, None)
+    getattr(k, f"hc_sign_pack_{dtype}")(x_device, n, bounds_device, blocks, bits, scales, workspace, None)
     return bits, scales, None
 
 
@@ -93,21 +93,20 @@ def check(run):
 def bench(run, n):
     cp, k = run.cp, run.k
     for block_size in (None, 256):
-        bounds = ref.block_bounds(n, block_size)
+        bounds = cp.asarray(ref.block_bounds(n, block_size))
         blocks = len(bounds) - 1
         x = cp.asarray(run.rng.standard_normal(n).astype(np.float32))
         bits, scales = cp.empty((n + 7) // 8, cp.uint8), cp.empty(blocks, cp.float32)
         residual = cp.empty_like(x)
-        workspace = cp.empty(k.hc_sign_pack_workspace_bytes(bounds, blocks), cp.uint8)
+        workspace = cp.empty(k.hc_sign_pack_workspace_bytes(n, blocks), cp.uint8)
         label = f"blocks of {block_size or n}"
         run.time("hc_sign_pack_f32", label, n, 4 * n + n // 8 + 4 * blocks,
-                 lambda: k.hc_sign_pack_f32(x, bounds, blocks, bits, scales, None, workspace, None))
+                 lambda: k.hc_sign_pack_f32(x, n, bounds, blocks, bits, scales, None, workspace, None))
         run.time("hc_sign_pack_f32", label + ", + residual", n, 8 * n + n // 8 + 4 * blocks,
-                 lambda: k.hc_sign_pack_f32(x, bounds, blocks, bits, scales, residual, workspace, None))
+                 lambda: k.hc_sign_pack_f32(x, n, bounds, blocks, bits, scales, residual, workspace, None))
         m = 4
         many_bits = cp.tile(bits, (m, 1))
         many_scales = cp.tile(scales, (m, 1))
-        bounds_device = cp.asarray(bounds)
         y = cp.empty(n, cp.float32)
         run.time("hc_sign_unpack_mean_f32", f"{m} payloads, blocks of {block_size or n}", n, 4 * n + m * (n // 8),
-                 lambda: k.hc_sign_unpack_mean_f32(many_bits, many_scales, bounds_device, blocks, n, m, None, y, None))
+                 lambda: k.hc_sign_unpack_mean_f32(many_bits, many_scales, bounds, blocks, n, m, None, y, None))

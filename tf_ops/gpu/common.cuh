@@ -36,6 +36,19 @@ __device__ inline int64_t BlockOf(const int64_t* bounds, int64_t num_blocks, int
   return lo;
 }
 
+// BlockOf for element i of a grid-stride loop whose lanes take consecutive elements: the warp's first
+// active lane searches, the others step on from its block (a few steps at most, for blocks of a few
+// elements; none for large ones). Keeps the warp's loads and stores of consecutive elements together.
+__device__ inline int64_t WarpBlockOf(const int64_t* bounds, int64_t num_blocks, int64_t i) {
+  const unsigned int active = __activemask();
+  const int leader = __ffs(active) - 1;
+  const int64_t first = __shfl_sync(active, i, leader);
+  int64_t b = (threadIdx.x & 31) == static_cast<unsigned int>(leader) ? BlockOf(bounds, num_blocks, first) : 0;
+  b = __shfl_sync(active, b, leader);
+  while (bounds[b + 1] <= i) ++b;
+  return b;
+}
+
 inline cudaError_t Launched() { return cudaGetLastError(); }
 
 }  // namespace gpu

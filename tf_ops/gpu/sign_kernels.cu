@@ -4,12 +4,14 @@
 // - scales: a block's |x| sum is cut, as on the CPU, into pieces by the global kChunk grid and each
 //   piece into 8 lanes; one thread sums one lane of one piece in order (LaneAbsSum), then one thread
 //   per block adds its pieces' lanes in order (PieceAbsSum, BlockScale). Sequential lanes keep the
-//   float64 sums bit-exact; the parallelism is pieces x 8.
-// - decoding, means and the in-place subtraction: one thread per element (SignMeanAt).
+//   float64 sums bit-exact; the parallelism is pieces x 8. The pieces are planned on the device: each
+//   block's count, then their offsets by a prefix sum (CUB), so no host work grows with the blocks.
+// - the residual, decoding, means and the in-place subtraction: one thread per element (SignMeanAt),
+//   the block found once per warp (WarpBlockOf).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <vector>
+#include <cub/cub.cuh>
 
 #include "common.cuh"
 #include "launchers.h"
@@ -18,28 +20,40 @@ namespace hvd_compress {
 namespace gpu {
 namespace {
 
-// The pieces of every block: piece p covers [begin[p], end[p]); block b's are offset[b] .. offset[b + 1].
-struct PiecePlan {
-  std::vector<int64_t> begin, end, offset;
+// At most this many pieces: every block, plus one for each chunk boundary a block crosses.
+int64_t MaxPieces(int64_t n, int64_t num_blocks) { return num_blocks + NumChunks(n); }
+
+// The workspace: piece counts and offsets (num_blocks + 1 each, int64), 8 lanes per piece (float64),
+// then CUB's scan storage.
+struct Workspace {
+  int64_t* counts;
+  int64_t* offset;
+  double* lanes;
+  void* scan;
+  size_t scan_bytes;
 };
 
-PiecePlan PlanPieces(const int64_t* bounds, int64_t num_blocks) {
-  PiecePlan plan;
-  plan.offset.push_back(0);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int64_t c = bounds[b] / kChunk; c <= (bounds[b + 1] - 1) / kChunk; ++c) {
-      plan.begin.push_back(std::max(bounds[b], c * kChunk));
-      plan.end.push_back(std::min(bounds[b + 1], (c + 1) * kChunk));
-    }
-    plan.offset.push_back(static_cast<int64_t>(plan.begin.size()));
-  }
-  return plan;
+size_t ScanBytes(int64_t num_blocks) {
+  size_t bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                num_blocks + 1);
+  return bytes;
 }
 
-int64_t NumPieces(const int64_t* bounds, int64_t num_blocks) {
-  int64_t pieces = 0;
-  for (int64_t b = 0; b < num_blocks; ++b) pieces += (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1;
-  return pieces;
+Workspace Carve(void* memory, int64_t n, int64_t num_blocks) {
+  Workspace w;
+  w.counts = static_cast<int64_t*>(memory);
+  w.offset = w.counts + num_blocks + 1;
+  w.lanes = reinterpret_cast<double*>(w.offset + num_blocks + 1);
+  w.scan = w.lanes + 8 * MaxPieces(n, num_blocks);
+  w.scan_bytes = ScanBytes(num_blocks);
+  return w;
+}
+
+__global__ void PieceCountsKernel(const int64_t* bounds, int64_t num_blocks, int64_t* counts) {
+  HC_GRID_LOOP(b, num_blocks + 1) {
+    counts[b] = b < num_blocks ? (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1 : 0;
+  }
 }
 
 template <typename T>
@@ -47,9 +61,20 @@ __global__ void SignBytesKernel(const T* x, int64_t n, uint8_t* bits) {
   HC_GRID_LOOP(j, (n + 7) / 8) bits[j] = SignByte(FloatLoad<T>{x}, j * 8, n);
 }
 
+// Lane t % 8 of piece t / 8; piece p is piece p - offset[b] of its block b, the block's part of chunk
+// bounds[b] / kChunk + (p - offset[b]).
 template <typename T>
-__global__ void LaneSumsKernel(const T* x, const int64_t* begin, const int64_t* end, int64_t pieces, double* lanes) {
-  HC_GRID_LOOP(t, pieces * 8) lanes[t] = LaneAbsSum(FloatLoad<T>{x}, begin[t / 8], end[t / 8], static_cast<int>(t % 8));
+__global__ void LaneSumsKernel(const T* x, const int64_t* bounds, int64_t num_blocks, const int64_t* offset,
+                               int64_t max_pieces, double* lanes) {
+  const int64_t pieces = offset[num_blocks];
+  HC_GRID_LOOP(t, max_pieces * 8) {
+    const int64_t p = t / 8;
+    if (p >= pieces) continue;
+    const int64_t b = BlockOf(offset, num_blocks, p);
+    const int64_t chunk = bounds[b] / kChunk + (p - offset[b]);
+    const int64_t begin = max(bounds[b], chunk * kChunk), end = min(bounds[b + 1], (chunk + 1) * kChunk);
+    lanes[t] = LaneAbsSum(FloatLoad<T>{x}, begin, end, static_cast<int>(t % 8));
+  }
 }
 
 __global__ void ScalesKernel(const int64_t* bounds, const int64_t* offset, const double* lanes, int64_t num_blocks,
@@ -63,33 +88,22 @@ __global__ void ScalesKernel(const int64_t* bounds, const int64_t* offset, const
 
 __global__ void ResidualKernel(const float* x, const int64_t* bounds, int64_t num_blocks, int64_t n,
                                const float* scales, float* residual) {
-  HC_GRID_LOOP(i, n) residual[i] = SignResidual(x[i], scales[BlockOf(bounds, num_blocks, i)]);
+  HC_GRID_LOOP(i, n) residual[i] = SignResidual(x[i], scales[WarpBlockOf(bounds, num_blocks, i)]);
 }
 
 template <typename T>
-int SignPack(const T* x, const int64_t* bounds_host, int64_t num_blocks, uint8_t* bits, float* scales,
+int SignPack(const T* x, int64_t n, const int64_t* bounds, int64_t num_blocks, uint8_t* bits, float* scales,
              float* residual, void* workspace, cudaStream_t stream) {
-  const int64_t n = bounds_host[num_blocks];
   if (n == 0) return cudaSuccess;
-  const PiecePlan plan = PlanPieces(bounds_host, num_blocks);
-  const int64_t pieces = static_cast<int64_t>(plan.begin.size());
-  // Workspace: bounds, piece begins, piece ends, piece offsets (int64), then 8 lanes per piece (float64).
-  std::vector<int64_t> table(bounds_host, bounds_host + num_blocks + 1);
-  table.insert(table.end(), plan.begin.begin(), plan.begin.end());
-  table.insert(table.end(), plan.end.begin(), plan.end.end());
-  table.insert(table.end(), plan.offset.begin(), plan.offset.end());
-  int64_t* device_table = static_cast<int64_t*>(workspace);
-  cudaError_t status = cudaMemcpyAsync(device_table, table.data(), table.size() * sizeof(int64_t),
-                                       cudaMemcpyHostToDevice, stream);  // staged before it returns
+  Workspace w = Carve(workspace, n, num_blocks);
+  const int64_t max_pieces = MaxPieces(n, num_blocks);
+  PieceCountsKernel<<<Blocks(num_blocks + 1), kThreads, 0, stream>>>(bounds, num_blocks, w.counts);
+  cudaError_t status = cub::DeviceScan::ExclusiveSum(w.scan, w.scan_bytes, w.counts, w.offset, num_blocks + 1, stream);
   if (status != cudaSuccess) return status;
-  const int64_t* bounds = device_table;
-  const int64_t* begin = bounds + num_blocks + 1;
-  const int64_t* end = begin + pieces;
-  const int64_t* offset = end + pieces;
-  double* lanes = reinterpret_cast<double*>(device_table + table.size());
   SignBytesKernel<<<Blocks((n + 7) / 8), kThreads, 0, stream>>>(x, n, bits);
-  LaneSumsKernel<<<Blocks(pieces * 8), kThreads, 0, stream>>>(x, begin, end, pieces, lanes);
-  ScalesKernel<<<Blocks(num_blocks), kThreads, 0, stream>>>(bounds, offset, lanes, num_blocks, scales);
+  LaneSumsKernel<<<Blocks(max_pieces * 8), kThreads, 0, stream>>>(x, bounds, num_blocks, w.offset, max_pieces,
+                                                                 w.lanes);
+  ScalesKernel<<<Blocks(num_blocks), kThreads, 0, stream>>>(bounds, w.offset, w.lanes, num_blocks, scales);
   if (residual != nullptr) {
     ResidualKernel<<<Blocks(n), kThreads, 0, stream>>>(reinterpret_cast<const float*>(x), bounds, num_blocks, n,
                                                       scales, residual);
@@ -104,7 +118,7 @@ __global__ void UnpackMeanKernel(const uint8_t* bits, const float* scales, const
   const int64_t num_bytes = (n + 7) / 8;
   const float count = static_cast<float>(m);
   HC_GRID_LOOP(i, n) {
-    const int64_t b = BlockOf(bounds, num_blocks, i);
+    const int64_t b = WarpBlockOf(bounds, num_blocks, i);
     const float mean = SignMeanAt(bits, num_bytes, scale_bits + b, num_blocks, m, count, i);
     y[i] = static_cast<T>(plus != nullptr ? mean + plus[i] : mean);
   }
@@ -126,7 +140,8 @@ __global__ void SubtractMeanKernel(const uint8_t* bits, const float* scales, con
   const float count = static_cast<float>(m);
   HC_GRID_LOOP(j, size) {
     const int64_t i = offset + j;
-    variable[j] -= SignMeanAt(bits, num_bytes, scale_bits + BlockOf(bounds, num_blocks, i), num_blocks, m, count, i);
+    variable[j] -= SignMeanAt(bits, num_bytes, scale_bits + WarpBlockOf(bounds, num_blocks, i), num_blocks, m,
+                              count, i);
   }
 }
 
@@ -138,24 +153,24 @@ using namespace hvd_compress::gpu;  // NOLINT: the C launchers below are thin
 
 extern "C" {
 
-size_t hc_sign_pack_workspace_bytes(const int64_t* bounds_host, int64_t num_blocks) {
-  const int64_t pieces = NumPieces(bounds_host, num_blocks);
-  return sizeof(int64_t) * (2 * (num_blocks + 1) + 2 * pieces) + sizeof(double) * 8 * pieces;
+size_t hc_sign_pack_workspace_bytes(int64_t n, int64_t num_blocks) {
+  return sizeof(int64_t) * 2 * (num_blocks + 1) + sizeof(double) * 8 * MaxPieces(n, num_blocks) +
+         ScanBytes(num_blocks);
 }
 
-int hc_sign_pack_f32(const float* x, const int64_t* bounds_host, int64_t num_blocks, uint8_t* bits, float* scales,
-                     float* residual, void* workspace, hc_stream stream) {
-  return SignPack(x, bounds_host, num_blocks, bits, scales, residual, workspace, stream);
+int hc_sign_pack_f32(const float* x, int64_t n, const int64_t* bounds, int64_t num_blocks, uint8_t* bits,
+                     float* scales, float* residual, void* workspace, hc_stream stream) {
+  return SignPack(x, n, bounds, num_blocks, bits, scales, residual, workspace, stream);
 }
 
-int hc_sign_pack_f16(const void* x, const int64_t* bounds_host, int64_t num_blocks, uint8_t* bits, float* scales,
-                     void* workspace, hc_stream stream) {
-  return SignPack(static_cast<const __half*>(x), bounds_host, num_blocks, bits, scales, nullptr, workspace, stream);
+int hc_sign_pack_f16(const void* x, int64_t n, const int64_t* bounds, int64_t num_blocks, uint8_t* bits,
+                     float* scales, void* workspace, hc_stream stream) {
+  return SignPack(static_cast<const __half*>(x), n, bounds, num_blocks, bits, scales, nullptr, workspace, stream);
 }
 
-int hc_sign_pack_bf16(const void* x, const int64_t* bounds_host, int64_t num_blocks, uint8_t* bits, float* scales,
-                      void* workspace, hc_stream stream) {
-  return SignPack(static_cast<const __nv_bfloat16*>(x), bounds_host, num_blocks, bits, scales, nullptr, workspace,
+int hc_sign_pack_bf16(const void* x, int64_t n, const int64_t* bounds, int64_t num_blocks, uint8_t* bits,
+                      float* scales, void* workspace, hc_stream stream) {
+  return SignPack(static_cast<const __nv_bfloat16*>(x), n, bounds, num_blocks, bits, scales, nullptr, workspace,
                   stream);
 }
 
