@@ -36,17 +36,63 @@ __device__ inline int64_t BlockOf(const int64_t* bounds, int64_t num_blocks, int
   return lo;
 }
 
-// BlockOf for element i of a grid-stride loop whose lanes take consecutive elements: the warp's first
-// active lane searches, the others step on from its block (a few steps at most, for blocks of a few
-// elements; none for large ones). Keeps the warp's loads and stores of consecutive elements together.
-__device__ inline int64_t WarpBlockOf(const int64_t* bounds, int64_t num_blocks, int64_t i) {
-  const unsigned int active = __activemask();
-  const int leader = __ffs(active) - 1;
-  const int64_t first = __shfl_sync(active, i, leader);
-  int64_t b = (threadIdx.x & 31) == static_cast<unsigned int>(leader) ? BlockOf(bounds, num_blocks, first) : 0;
-  b = __shfl_sync(active, b, leader);
-  while (bounds[b + 1] <= i) ++b;
-  return b;
+// The block of element i, searching forward from block `from` (bounds[from] <= i): steps that double, then
+// a binary search; a few loads when i's block is near.
+__device__ inline int64_t BlockFrom(const int64_t* bounds, int64_t num_blocks, int64_t from, int64_t i) {
+  int64_t lo = from, hi = from + 1, step = 1;  // bounds[lo] <= i
+  while (hi < num_blocks && bounds[hi] <= i) {
+    lo = hi;
+    step *= 2;
+    hi = min(num_blocks, lo + step);
+  }
+  while (hi - lo > 1) {  // bounds[lo] <= i < bounds[hi] (bounds[num_blocks] = n > i)
+    const int64_t mid = (lo + hi) / 2;
+    if (bounds[mid] <= i) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Thread blocks for ForEachElementWithBlock over `work` elements: each takes a contiguous run of tiles.
+inline unsigned int TileBlocks(int64_t work) {
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096)));
+}
+
+// Calls body(i, b) for every element i in [begin, end), b its block (bounds[b] <= i < bounds[b + 1]). Each
+// thread block (kThreads threads, TileBlocks(end - begin) of them) takes a contiguous run of tiles of kThreads
+// elements; per tile, one thread finds the first and last block from the previous tile's (BlockFrom), the
+// tile's bounds go to shared memory, and each thread searches there: no per-element search of the global
+// bounds, whose blocks may be many and small.
+template <typename Body>
+__device__ inline void ForEachElementWithBlock(const int64_t* bounds, int64_t num_blocks, int64_t begin, int64_t end,
+                                               Body&& body) {
+  __shared__ int64_t local[kThreads + 1];
+  __shared__ int64_t first, count;
+  const int64_t tiles = (end - begin + kThreads - 1) / kThreads;
+  const int64_t per_block = (tiles + gridDim.x - 1) / gridDim.x;
+  const int64_t tile_lo = blockIdx.x * per_block, tile_hi = min(tiles, tile_lo + per_block);
+  int64_t from = tile_lo < tile_hi ? BlockOf(bounds, num_blocks, begin + tile_lo * kThreads) : 0;
+  for (int64_t tile = tile_lo; tile < tile_hi; ++tile) {
+    const int64_t lo = begin + tile * kThreads, hi = min(end, lo + kThreads);
+    if (threadIdx.x == 0) {
+      const int64_t b0 = BlockFrom(bounds, num_blocks, from, lo);
+      from = BlockFrom(bounds, num_blocks, b0, hi - 1);
+      first = b0;
+      count = from - b0 + 1;  // at most kThreads blocks: every block holds an element
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j <= count; j += blockDim.x) local[j] = bounds[first + j];
+    __syncthreads();
+    const int64_t i = lo + threadIdx.x;
+    if (i < hi) {
+      int64_t l = 0, h = count;  // local[l] <= i < local[h]
+      while (h - l > 1) {
+        const int64_t mid = (l + h) / 2;
+        if (local[mid] <= i) l = mid; else h = mid;
+      }
+      body(i, first + l);
+    }
+    __syncthreads();  // before the next tile's bounds replace these
+  }
 }
 
 inline cudaError_t Launched() { return cudaGetLastError(); }

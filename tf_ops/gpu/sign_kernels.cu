@@ -7,7 +7,7 @@
 //   float64 sums bit-exact; the parallelism is pieces x 8. The pieces are planned on the device: each
 //   block's count, then their offsets by a prefix sum (CUB), so no host work grows with the blocks.
 // - the residual, decoding, means and the in-place subtraction: one thread per element (SignMeanAt),
-//   the block found once per warp (WarpBlockOf).
+//   its block looked up among its tile's bounds in shared memory (ForEachElementWithBlock).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -88,7 +88,8 @@ __global__ void ScalesKernel(const int64_t* bounds, const int64_t* offset, const
 
 __global__ void ResidualKernel(const float* x, const int64_t* bounds, int64_t num_blocks, int64_t n,
                                const float* scales, float* residual) {
-  HC_GRID_LOOP(i, n) residual[i] = SignResidual(x[i], scales[WarpBlockOf(bounds, num_blocks, i)]);
+  ForEachElementWithBlock(bounds, num_blocks, 0, n,
+                          [&](int64_t i, int64_t b) { residual[i] = SignResidual(x[i], scales[b]); });
 }
 
 template <typename T>
@@ -105,7 +106,7 @@ int SignPack(const T* x, int64_t n, const int64_t* bounds, int64_t num_blocks, u
                                                                  w.lanes);
   ScalesKernel<<<Blocks(num_blocks), kThreads, 0, stream>>>(bounds, w.offset, w.lanes, num_blocks, scales);
   if (residual != nullptr) {
-    ResidualKernel<<<Blocks(n), kThreads, 0, stream>>>(reinterpret_cast<const float*>(x), bounds, num_blocks, n,
+    ResidualKernel<<<TileBlocks(n), kThreads, 0, stream>>>(reinterpret_cast<const float*>(x), bounds, num_blocks, n,
                                                       scales, residual);
   }
   return Launched();
@@ -117,18 +118,17 @@ __global__ void UnpackMeanKernel(const uint8_t* bits, const float* scales, const
   const uint32_t* scale_bits = reinterpret_cast<const uint32_t*>(scales);
   const int64_t num_bytes = (n + 7) / 8;
   const float count = static_cast<float>(m);
-  HC_GRID_LOOP(i, n) {
-    const int64_t b = WarpBlockOf(bounds, num_blocks, i);
+  ForEachElementWithBlock(bounds, num_blocks, 0, n, [&](int64_t i, int64_t b) {
     const float mean = SignMeanAt(bits, num_bytes, scale_bits + b, num_blocks, m, count, i);
     y[i] = static_cast<T>(plus != nullptr ? mean + plus[i] : mean);
-  }
+  });
 }
 
 template <typename T>
 int SignUnpackMean(const uint8_t* bits, const float* scales, const int64_t* bounds, int64_t num_blocks, int64_t n,
                    int64_t m, const float* plus, T* y, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  UnpackMeanKernel<T><<<Blocks(n), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, plus, y);
+  UnpackMeanKernel<T><<<TileBlocks(n), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, plus, y);
   return Launched();
 }
 
@@ -138,11 +138,9 @@ __global__ void SubtractMeanKernel(const uint8_t* bits, const float* scales, con
   const uint32_t* scale_bits = reinterpret_cast<const uint32_t*>(scales);
   const int64_t num_bytes = (n + 7) / 8;
   const float count = static_cast<float>(m);
-  HC_GRID_LOOP(j, size) {
-    const int64_t i = offset + j;
-    variable[j] -= SignMeanAt(bits, num_bytes, scale_bits + WarpBlockOf(bounds, num_blocks, i), num_blocks, m,
-                              count, i);
-  }
+  ForEachElementWithBlock(bounds, num_blocks, offset, offset + size, [&](int64_t i, int64_t b) {
+    variable[i - offset] -= SignMeanAt(bits, num_bytes, scale_bits + b, num_blocks, m, count, i);
+  });
 }
 
 }  // namespace
@@ -192,7 +190,7 @@ int hc_sign_unpack_mean_bf16(const uint8_t* bits, const float* scales, const int
 int hc_sign_subtract_mean(const uint8_t* bits, const float* scales, const int64_t* bounds, int64_t num_blocks,
                           int64_t n, int64_t m, int64_t offset, int64_t size, float* variable, hc_stream stream) {
   if (size == 0) return cudaSuccess;
-  SubtractMeanKernel<<<Blocks(size), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, offset, size,
+  SubtractMeanKernel<<<TileBlocks(size), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, offset, size,
                                                             variable);
   return Launched();
 }
