@@ -143,9 +143,22 @@ def publish(data):
                      f"{speed['ms']:.3f}", f"{speed['gbps']:.0f}", f"{speed['of_copy']:.2f}"])
     table = results.markdown_table(["kernel", "timed case", "checks passed", "against NumPy", "n", "ms", "GB/s",
                                     "of a copy"], rows, align=["l", "l", "r", "l", "r", "r", "r", "r"])
-    note = (f"On {data['gpu']} (driver {data['driver']}, CUDA runtime {data['runtime']}). GB/s counts the bytes "
-            f"a kernel reads and writes; *of a copy* divides it by a device-to-device copy of as many bytes.")
-    results.publish("gpu_kernels", note + "\n\n" + table, source=FLAGS.out, doc=results.REPO / "docs" / "gpu.md")
+    timed = {speed["kernel"] for speed in data["speeds"]}
+    untimed = sorted({c["kernel"] for c in data["checks"]} - timed)
+    checked = ", ".join(f"`{k}` ({sum(c['ok'] for c in data['checks'] if c['kernel'] == k)}/"
+                        f"{sum(c['kernel'] == k for c in data['checks'])})" for k in untimed)
+    passed = sum(c["ok"] for c in data["checks"])
+    note = (f"On {data['gpu']} (CUDA driver API {version(data['driver'])}, runtime {version(data['runtime'])}): "
+            f"{passed} of {len(data['checks'])} checks passed over {len(timed) + len(untimed)} launchers. GB/s counts "
+            f"the bytes a kernel reads and writes; *of a copy* divides it by a device-to-device copy of as many bytes.")
+    rest = f"\n\nChecked, not timed (checks passed): {checked}." if untimed else ""
+    results.publish("gpu_kernels", note + "\n\n" + table + rest, source=FLAGS.out,
+                    doc=results.REPO / "docs" / "gpu.md")
+
+
+def version(number):
+    """CUDA's version number (13020) as 13.2."""
+    return f"{number // 1000}.{number % 1000 // 10}"
 
 
 if __name__ == "__main__":
