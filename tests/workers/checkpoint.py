@@ -14,14 +14,15 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import compression, distributed_optimizer, report
+from _worker import compression, distributed_optimizer, is_gossip, report
 
 import digits
 
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. Formats: checkpoint, weights, "
                   "savedmodel, h5 (tf_keras), keras (Keras 3); compressions: onebit, topk, randomk, sketch, "
-                  "powersgd, onebit_adamw (1-bit AdamW) or sgp (PushSumOptimizer).")
+                  "powersgd, onebit_adamw (1-bit AdamW), sgp (PushSumOptimizer) or sgp_mpi (over MPI: an MPI "
+                  "launch).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
 FLAGS = flags.FLAGS
@@ -39,13 +40,19 @@ def new_model_and_optimizer(keras, method):
     model = digits.cnn(keras, seed=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=5, decay_rate=0.7)
     sgd = keras.optimizers.SGD(schedule, momentum=0.9, nesterov=True)
-    chosen = None if method == "sgp" else compression(method)
-    if method == "sgp":  # overlap, so the mass in flight must be restored too
-        opt = hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True)
+    chosen = None if is_gossip(method) else compression(method)
+    if is_gossip(method):
+        opt = pushsum(sgd, method)
     else:  # (onebit_adamw: 1-bit AdamW, compressed from step _worker.ADAMW_WARMUP on)
         opt = distributed_optimizer(sgd, method, chosen=chosen)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, opt, chosen
+
+
+def pushsum(sgd, method):
+    """SGP's optimizer for `method` (sgp, sgp_mpi): with overlap, so the mass in flight must be restored too."""
+    return hc.PushSumOptimizer(sgd, graph="exponential2", overlap=True,
+                               transport="mpi" if method == "sgp_mpi" else "alltoall")
 
 
 def digest(variables):
@@ -74,9 +81,8 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
             tf.train.Checkpoint(model=model, optimizer=opt).restore(latest).assert_existing_objects_matched()
         elif save_format == "weights":
             model.load_weights(path)
-        elif method == "sgp":
-            model = hc.load_model(path, optimizer_wrapper=lambda sgd: hc.PushSumOptimizer(
-                sgd, graph="exponential2", overlap=True))
+        elif is_gossip(method):
+            model = hc.load_model(path, optimizer_wrapper=lambda sgd: pushsum(sgd, method))
         else:
             model = hc.load_model(path, compression=new_model_and_optimizer(keras, method)[2])
         opt = model.optimizer
@@ -99,12 +105,15 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
         model.save(export_dir)
         np.save(pathlib.Path(export_dir) / "inputs.npy", x[:16])
         np.save(pathlib.Path(export_dir) / "logits.npy", model.predict(x[:16], verbose=0))
+    if is_gossip(method):
+        opt.pushsum.flush()  # over MPI, the last step's mass in flight is still in the mailbox
     return dict(at_save=at_save, at_restore=at_restore, at_end=states(model, opt),
                 num_optimizer_variables=len(opt.variables), iterations=int(opt.iterations.numpy()),
                 adamw=isinstance(opt, keras.optimizers.AdamW),
-                warmup_steps=None if method == "sgp" else opt.compression_exchange.warmup_steps,
-                residual_norm=float(opt.compression_exchange.residual_norm() if method != "sgp"
-                                    else opt.pushsum.in_flight[-1]))
+                warmup_steps=None if is_gossip(method) else opt.compression_exchange.warmup_steps,
+                residual_norm=float(opt.pushsum.in_flight[-1] if is_gossip(method)
+                                    else opt.compression_exchange.residual_norm()),
+                transport=opt.pushsum.transport if is_gossip(method) else None)
 
 
 def main(_):
