@@ -13,9 +13,12 @@
 
 #if defined(__CUDACC__)
 #define HC_HOST_DEVICE __host__ __device__
-#define HC_UNROLL_8 _Pragma("unroll 8")
 #else
 #define HC_HOST_DEVICE
+#endif
+#if defined(__CUDA_ARCH__)
+#define HC_UNROLL_8 _Pragma("unroll 8")
+#else
 #define HC_UNROLL_8
 #endif
 
@@ -80,15 +83,30 @@ HC_HOST_DEVICE inline float SignedScale(uint32_t scale_bits, uint32_t bit) {
 // Bit i of a packed bit vector.
 HC_HOST_DEVICE inline uint32_t BitAt(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1u; }
 
+// Blocks are cut by the global kChunk grid into pieces: block [lo, hi) has this many.
+HC_HOST_DEVICE inline int64_t PiecesOfBlock(int64_t lo, int64_t hi) { return (hi - 1) / kChunk - lo / kChunk + 1; }
+
 // Lane `lane` of a piece's |x| sum: elements begin + lane, begin + lane + 8, ... (< end), summed in
 // float64 from 0 in order. A piece's sum is its 8 lanes added in order from 0 (PieceAbsSum); a
-// block's scale is its pieces' sums added in order, over its size (BlockScale).
+// block's scale is its pieces' sums added in order, over its size (BlockScale). The GPU sums a lane
+// per thread; the CPU all 8 in one pass (LaneAbsSums), with the same sums.
 template <typename Load>
 HC_HOST_DEVICE inline double LaneAbsSum(const Load& x, int64_t begin, int64_t end, int lane) {
   double sum = 0;
   HC_UNROLL_8  // loads issued ahead on the GPU; the additions stay in order
   for (int64_t i = begin + lane; i < end; i += 8) sum += static_cast<double>(BitsFloat(AbsKey(x(i))));
   return sum;
+}
+
+// LaneAbsSum of all 8 lanes in one pass over [begin, end), into lanes[0..8).
+template <typename Load>
+HC_HOST_DEVICE inline void LaneAbsSums(const Load& x, int64_t begin, int64_t end, double* lanes) {
+  for (int l = 0; l < 8; ++l) lanes[l] = 0;
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (int l = 0; l < 8; ++l) lanes[l] += static_cast<double>(BitsFloat(AbsKey(x(i + l))));
+  }
+  for (int l = 0; i + l < end; ++l) lanes[l] += static_cast<double>(BitsFloat(AbsKey(x(i + l))));
 }
 
 HC_HOST_DEVICE inline double PieceAbsSum(const double* lanes) {

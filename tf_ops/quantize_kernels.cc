@@ -284,7 +284,7 @@ class BlockQuantizeCompressOp : public OpKernel {
     // block is its intersection with its p-th chunk. A block inside one chunk is "local".
     std::vector<int64_t> piece_offset(num_blocks + 1, 0);
     for (int64_t b = 0; b < num_blocks; ++b) {
-      piece_offset[b + 1] = piece_offset[b] + (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1;
+      piece_offset[b + 1] = piece_offset[b] + PiecesOfBlock(bounds[b], bounds[b + 1]);
     }
     const bool all_local = piece_offset[num_blocks] == num_blocks;
     std::vector<QuantizeStats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);

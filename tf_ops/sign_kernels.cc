@@ -26,11 +26,11 @@ using tensorflow::errors::InvalidArgument;
 
 namespace {
 
-// Sum of |x[0:len]| in float64 in cores.h's lane order (LaneAbsSum, PieceAbsSum).
+// Sum of |x[0:len]| in float64 in cores.h's lane order (LaneAbsSums, PieceAbsSum).
 template <typename T>
 double AbsSum(const T* x, int64_t len) {
   double lanes[8];
-  for (int l = 0; l < 8; ++l) lanes[l] = LaneAbsSum(FloatLoad<T>{x}, 0, len, l);
+  LaneAbsSums(FloatLoad<T>{x}, 0, len, lanes);
   return PieceAbsSum(lanes);
 }
 
@@ -250,8 +250,7 @@ class BlockSignPackOp : public OpKernel {
     // block b is its intersection with chunk first_chunk(b) + p.
     std::vector<int64_t> piece_offset(num_blocks + 1, 0);
     for (int64_t b = 0; b < num_blocks; ++b) {
-      piece_offset[b + 1] = piece_offset[b] + (bounds[b + 1] - 1) / kChunk -
-                            bounds[b] / kChunk + 1;
+      piece_offset[b + 1] = piece_offset[b] + PiecesOfBlock(bounds[b], bounds[b + 1]);
     }
     std::vector<double> piece_sum(piece_offset[num_blocks]);
 

@@ -1,6 +1,6 @@
 """The GPU kernels of tf_ops/gpu/, standalone: each against the NumPy reference of its op (tests/np_reference.py,
 the one the CPU kernels are tested against) on many sizes, bit for bit unless its module documents a tolerance,
-and its throughput in GB/s (bytes read + written over the kernel's time) beside a device-to-device copy.
+on a non-blocking CUDA stream (as TensorFlow runs them), and its throughput in GB/s (bytes read + written over the kernel's time) beside a device-to-device copy.
 
     python tests/gpu/harness.py                      # on a machine with a CUDA GPU, nvcc and CuPy
     python tests/gpu/harness.py --publish_only       # the table in docs/gpu.md, again from --out
@@ -36,7 +36,8 @@ class Run:
     """What a family's checks and benchmarks use: the kernels, CuPy, a seeded generator, and the records."""
 
     def __init__(self, library, cp):
-        self.k, self.cp, self.rng = kernels.Kernels(library), cp, np.random.default_rng(0)
+        self.k = kernels.Kernels(library, current_stream=lambda: cp.cuda.get_current_stream().ptr)
+        self.cp, self.rng = cp, np.random.default_rng(0)
         self.checks, self.speeds = [], []
         self.copy_gbps = {}
 
@@ -113,12 +114,13 @@ def main(_):
         sys.exit(f"The GPU harness needs CuPy and a CUDA GPU: {e}")
     library = FLAGS.library or kernels.build()
     run = Run(library, cp)
-    for name in FLAGS.families:
-        family = importlib.import_module(name)
-        started = time.time()
-        family.check(run)
-        family.bench(run, FLAGS.n)
-        print(f"{name}: {time.time() - started:.1f} s", flush=True)
+    with cp.cuda.Stream(non_blocking=True):  # as TensorFlow's streams: no implicit order with the default stream
+        for name in FLAGS.families:
+            family = importlib.import_module(name)
+            started = time.time()
+            family.check(run)
+            family.bench(run, FLAGS.n)
+            print(f"{name}: {time.time() - started:.1f} s", flush=True)
     facts = device_facts(cp)
     failed = [c for c in run.checks if not c["ok"]]
     print(f"{len(run.checks) - len(failed)} of {len(run.checks)} checks passed on {facts['gpu']}", flush=True)

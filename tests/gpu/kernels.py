@@ -37,7 +37,7 @@ def build(out=LIBRARY, archs=None):
     if compiler is None:
         raise RuntimeError("nvcc not found: put the CUDA toolkit's bin on PATH or set CUDA_HOME.")
     inputs = SOURCES + list((REPO / "tf_ops" / "gpu").glob("*.h")) + list((REPO / "tf_ops" / "gpu").glob("*.cuh")) \
-        + [REPO / "tf_ops" / "cores.h"]
+        + list((REPO / "tf_ops").glob("*.h"))  # cores.h, sketch_hash.h, ...
     if out.exists() and out.stat().st_mtime > max(p.stat().st_mtime for p in inputs):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -46,37 +46,40 @@ def build(out=LIBRARY, archs=None):
 
 
 def declarations():
-    """{name: (result type, [argument types])} of every launcher in launchers.h."""
+    """{name: (result type, [argument types], index of the hc_stream argument or None)} of every launcher in
+    launchers.h."""
     text = re.sub(r"//[^\n]*", "", LAUNCHERS.read_text())
     found = {}
     for result, name, args in re.findall(r"\b(int|size_t)\s+(hc_\w+)\s*\(([^)]*)\)\s*;", text):
-        types = []
-        for arg in args.split(","):
-            arg = arg.strip()
-            if "*" in arg:
-                types.append(ctypes.c_void_p)
-            else:
-                types.append(C_TYPES[arg.rsplit(None, 1)[0].replace("const ", "")])
-        found[name] = (C_TYPES[result], types)
+        types, stream_at = [], None
+        for at, arg in enumerate(a.strip() for a in args.split(",")):
+            kind = arg.rsplit(None, 1)[0].replace("const ", "")
+            stream_at = at if kind == "hc_stream" else stream_at
+            types.append(ctypes.c_void_p if "*" in arg else C_TYPES[kind])
+        found[name] = (C_TYPES[result], types, stream_at)
     return found
 
 
 class Kernels:
     """The library's launchers by name: `kernels.hc_sign_pack_f32(...)` takes CuPy arrays (device pointers),
-    NumPy arrays (host pointers), ints and floats, and raises on a CUDA error."""
+    NumPy arrays (host pointers), ints and floats, and raises on a CUDA error. A stream given as None is CuPy's
+    current stream (`current_stream`), as TensorFlow passes its own."""
 
-    def __init__(self, path):
+    def __init__(self, path, current_stream=lambda: None):
         self.lib = ctypes.CDLL(str(path))
         self.signatures = declarations()
+        self.current_stream = current_stream
 
     def __getattr__(self, name):
-        result, types = self.signatures[name]
+        result, types, stream_at = self.signatures[name]
         function = getattr(self.lib, name)
         function.restype, function.argtypes = result, types
 
         def call(*args):
             if len(args) != len(types):
                 raise TypeError(f"{name} takes {len(types)} arguments, got {len(args)}")
+            if stream_at is not None and args[stream_at] is None:
+                args = args[:stream_at] + (self.current_stream(),) + args[stream_at + 1:]
             value = function(*(pointer(a) if t is ctypes.c_void_p else a for a, t in zip(args, types)))
             if result is ctypes.c_int and value != 0:
                 raise RuntimeError(f"{name} failed: CUDA error {value}")

@@ -15,6 +15,10 @@ namespace hvd_compress {
 namespace gpu {
 
 constexpr int kThreads = 256;
+// Alignment of the parts of a workspace.
+constexpr size_t kAlign = 256;
+
+inline size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 // Blocks for `work` items at one item per thread, capped (the kernels loop with a grid stride).
 inline unsigned int Blocks(int64_t work) {
@@ -26,14 +30,19 @@ inline unsigned int Blocks(int64_t work) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// The block b with bounds[b] <= i < bounds[b + 1] (bounds: num_blocks + 1 increasing offsets).
-__device__ inline int64_t BlockOf(const int64_t* bounds, int64_t num_blocks, int64_t i) {
-  int64_t lo = 0, hi = num_blocks;  // bounds[lo] <= i < bounds[hi]
+// The block b with bounds[b] <= i < bounds[b + 1], given bounds[lo] <= i < bounds[hi] (a binary search).
+__host__ __device__ inline int64_t BlockIn(const int64_t* bounds, int64_t lo, int64_t hi, int64_t i) {
   while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
+    const int64_t mid = lo + (hi - lo) / 2;
     if (bounds[mid] <= i) lo = mid; else hi = mid;
   }
   return lo;
+}
+
+// The block b with bounds[b] <= i < bounds[b + 1] (bounds: num_blocks + 1 strictly increasing offsets from 0
+// to n, as ValidateBounds checks on the CPU; the launchers trust them).
+__device__ inline int64_t BlockOf(const int64_t* bounds, int64_t num_blocks, int64_t i) {
+  return BlockIn(bounds, 0, num_blocks, i);
 }
 
 // The block of element i, searching forward from block `from` (bounds[from] <= i): steps that double, then
@@ -45,11 +54,7 @@ __device__ inline int64_t BlockFrom(const int64_t* bounds, int64_t num_blocks, i
     step *= 2;
     hi = min(num_blocks, lo + step);
   }
-  while (hi - lo > 1) {  // bounds[lo] <= i < bounds[hi] (bounds[num_blocks] = n > i)
-    const int64_t mid = (lo + hi) / 2;
-    if (bounds[mid] <= i) lo = mid; else hi = mid;
-  }
-  return lo;
+  return BlockIn(bounds, lo, hi, i);  // bounds[lo] <= i < bounds[hi] (bounds[num_blocks] = n > i)
 }
 
 // Thread blocks for ForEachElementWithBlock over `work` elements: each takes a contiguous run of tiles.
@@ -84,12 +89,7 @@ __device__ inline void ForEachElementWithBlock(const int64_t* bounds, int64_t nu
     __syncthreads();
     const int64_t i = lo + threadIdx.x;
     if (i < hi) {
-      int64_t l = 0, h = count;  // local[l] <= i < local[h]
-      while (h - l > 1) {
-        const int64_t mid = (l + h) / 2;
-        if (local[mid] <= i) l = mid; else h = mid;
-      }
-      body(i, first + l);
+      body(i, first + BlockIn(local, 0, count, i));
     }
     __syncthreads();  // before the next tile's bounds replace these
   }

@@ -58,6 +58,7 @@ int hc_half_to_bf16(const void* x, int64_t n, void* y, hc_stream stream) {
 }
 
 int hc_half_mean(const void* x, int64_t count, int64_t m, void* mean, hc_stream stream) {
+  if (count < 1) return cudaErrorInvalidValue;  // a mean of no rows
   if (m == 0) return cudaSuccess;
   HalfMeanKernel<<<Blocks(m), kThreads, 0, stream>>>(static_cast<const __half*>(x), count, m,
                                                      static_cast<__half*>(mean));

@@ -1,6 +1,10 @@
 // The GPU kernels' launchers, in C so that both TensorFlow's GPU op kernels and the standalone
 // harness (tests/gpu/harness.py, through ctypes) call the same code. Pointers are device memory
-// unless named *_host. Each launcher enqueues on `stream` and returns a cudaError_t as int (0: success).
+// unless named *_host. Each launcher enqueues on `stream` and returns a cudaError_t as int (0: success;
+// cudaErrorInvalidValue for a count the op refuses, e.g. a mean of no payloads).
+// The launchers trust what an op kernel validates on the host first, as the CPU kernels do: block
+// bounds strictly increasing from 0 to n (ValidateBounds), indices in range (or found with
+// hc_first_out_of_range_*), sizes that match.
 // Element types: "f32" float, "f16" IEEE half, "bf16" bfloat16.
 #ifndef HVD_COMPRESS_TF_OPS_GPU_LAUNCHERS_H_
 #define HVD_COMPRESS_TF_OPS_GPU_LAUNCHERS_H_

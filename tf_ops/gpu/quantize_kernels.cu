@@ -55,14 +55,6 @@ constexpr uint32_t kPosInfKey = 0xff800000u;  // OrderedKey(+Inf)
 
 __device__ inline int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// The block b with bounds[b] <= i < bounds[b + 1], given bounds[lo] <= i < bounds[hi].
-__device__ inline int64_t BlockIn(const int64_t* bounds, int64_t lo, int64_t hi, int64_t i) {
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (bounds[mid] <= i) lo = mid; else hi = mid;
-  }
-  return lo;
-}
 
 // The block of element i < n, given that block b holds an element in [i - step, i] (step >= 2): blocks are
 // not empty, so i's block is one of b .. b + step. The next two are tried first, in cache.

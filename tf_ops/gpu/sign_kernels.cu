@@ -52,7 +52,7 @@ Workspace Carve(void* memory, int64_t n, int64_t num_blocks) {
 
 __global__ void PieceCountsKernel(const int64_t* bounds, int64_t num_blocks, int64_t* counts) {
   HC_GRID_LOOP(b, num_blocks + 1) {
-    counts[b] = b < num_blocks ? (bounds[b + 1] - 1) / kChunk - bounds[b] / kChunk + 1 : 0;
+    counts[b] = b < num_blocks ? PiecesOfBlock(bounds[b], bounds[b + 1]) : 0;
   }
 }
 
@@ -127,6 +127,7 @@ __global__ void UnpackMeanKernel(const uint8_t* bits, const float* scales, const
 template <typename T>
 int SignUnpackMean(const uint8_t* bits, const float* scales, const int64_t* bounds, int64_t num_blocks, int64_t n,
                    int64_t m, const float* plus, T* y, cudaStream_t stream) {
+  if (m < 1) return cudaErrorInvalidValue;  // a mean of no payloads
   if (n == 0) return cudaSuccess;
   UnpackMeanKernel<T><<<TileBlocks(n), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, plus, y);
   return Launched();
@@ -189,6 +190,7 @@ int hc_sign_unpack_mean_bf16(const uint8_t* bits, const float* scales, const int
 
 int hc_sign_subtract_mean(const uint8_t* bits, const float* scales, const int64_t* bounds, int64_t num_blocks,
                           int64_t n, int64_t m, int64_t offset, int64_t size, float* variable, hc_stream stream) {
+  if (m < 1) return cudaErrorInvalidValue;
   if (size == 0) return cudaSuccess;
   SubtractMeanKernel<<<TileBlocks(size), kThreads, 0, stream>>>(bits, scales, bounds, num_blocks, n, m, offset, size,
                                                             variable);

@@ -30,9 +30,6 @@ namespace {
 
 constexpr int64_t kMaxItems = int64_t{0xFFFFFFFF};  // n and cols: 32-bit positions and cells
 constexpr int kMaxLocalRows = 32;                   // rows a query thread keeps in registers / local memory
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 // The bits of a cell (column) in [0, cols): the radix sort's end_bit (at least 1).
 int CellBits(int64_t cols) {

@@ -49,10 +49,7 @@ constexpr int kMaxBins = 2048;           // the widest digit: 11 bits
 constexpr int kHistWords = 2048 + 1024 + 1024;  // the digits' histograms, one after another
 constexpr int kOneBlock = 1024;          // threads of the one-block kernels
 constexpr int kScanItems = 4;            // tiles per thread per round of the tile scan
-constexpr size_t kAlign = 256;
 static_assert(kThreads % 32 == 0 && kTile < (1 << 16), "packed counts");
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 struct Digit {
   int shift, bits;
