@@ -1,16 +1,18 @@
 # hvd_compress: `make demo` sets everything up and runs the main job; `make test` runs the tests.
 # STACK=current (TensorFlow 2.21, Keras 3, tf_keras; .venv) or STACK=tf2.18 (.venv-tf2.18).
+# GPU=1: the current stack with Horovod built with NCCL and CUDA as well (.venv-gpu; compiles without a GPU).
 STACK ?= current
-VENV ?= $(if $(filter tf2.18,$(STACK)),.venv-tf2.18,.venv)
+GPU ?= 0
+VENV ?= $(if $(filter tf2.18,$(STACK)),.venv-tf2.18,$(if $(filter 1,$(GPU)),.venv-gpu,.venv))
 NP ?= 2
 PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo text transformer test bench wire tta clean
+.PHONY: setup demo text transformer test bench wire tta gpu-kernels gpu-harness clean
 
 setup:
-	HVD_COMPRESS_STACK=$(STACK) HVD_COMPRESS_VENV=$(VENV) ./scripts/setup.sh
+	HVD_COMPRESS_STACK=$(STACK) HVD_COMPRESS_GPU=$(GPU) HVD_COMPRESS_VENV=$(VENV) ./scripts/setup.sh
 
 demo: setup
 	PYTHONPATH=examples $(HOROVODRUN) -np $(NP) -H localhost:$(NP) --gloo \
@@ -46,6 +48,14 @@ wire: setup
 # (the transformer under AdamW; --task=digits: the wide MLP under SGD).
 tta: setup
 	$(PY) benchmarks/time_to_accuracy.py
+
+# The GPU kernels (tf_ops/gpu/) as a standalone library, with nvcc; on a machine with a CUDA GPU and CuPy,
+# the harness checks them against the NumPy references and times them (docs/gpu.md).
+gpu-kernels:
+	$(PY) -c "import sys; sys.path.insert(0, 'tests/gpu'); import kernels; print(kernels.build())"
+
+gpu-harness:
+	python3 tests/gpu/harness.py
 
 clean:
 	rm -rf build hvd_compress/_tf_ops*.so

@@ -10,6 +10,10 @@
 #   HVD_COMPRESS_STACK=tf2.18:            TensorFlow 2.18, tf_keras 2.18, in .venv-tf2.18
 #                                         (requirements-tf2.18.txt)
 #   HVD_COMPRESS_VENV=path                another place for the virtual environment
+#   HVD_COMPRESS_GPU=1                    a GPU build (stack current only), in .venv-gpu: Horovod with
+#                                         NCCL and CUDA as well (HOROVOD_GPU_OPERATIONS=NCCL), patched with
+#                                         patches/horovod-0.28.1-gpu.patch too, and the CUDA pieces from
+#                                         pip (requirements-gpu.txt). It compiles without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,11 +24,21 @@ case "${STACK}" in
   *) echo "!! HVD_COMPRESS_STACK=${STACK} is not a stack: use current (TensorFlow 2.21, Keras 3) or tf2.18." >&2
      exit 2 ;;
 esac
+GPU=${HVD_COMPRESS_GPU:-0}
+case "${GPU}" in
+  0|"") GPU=0 ;;
+  1) [ "${STACK}" = current ] || {
+       echo "!! HVD_COMPRESS_GPU=1 is for the current stack (TensorFlow 2.21) only, not ${STACK}." >&2; exit 2; }
+     DEFAULT_VENV=.venv-gpu ;;
+  *) echo "!! HVD_COMPRESS_GPU=${GPU}: use 1 (a GPU build with NCCL) or 0." >&2; exit 2 ;;
+esac
 VENV=${HVD_COMPRESS_VENV:-${DEFAULT_VENV}}
 PYTHON=${PYTHON:-python3}
 HOROVOD_VERSION=0.28.1
 HOROVOD_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
-HOROVOD_PATCH=patches/horovod-${HOROVOD_VERSION}.patch
+# Applied in this order; the GPU build adds its own patch on top of the common one.
+HOROVOD_PATCHES=(patches/horovod-${HOROVOD_VERSION}.patch)
+((GPU)) && HOROVOD_PATCHES+=(patches/horovod-${HOROVOD_VERSION}-gpu.patch)
 STEP="start"
 trap 'rc=$?; [ $rc = 0 ] || echo "!! hvd_compress set-up failed (exit $rc) during: ${STEP}. The output above says why." >&2' EXIT
 step() { STEP="$*"; echo "==> $*"; }
@@ -52,16 +66,42 @@ step "Pinned Python packages (${REQUIREMENTS})"
 "${PIP[@]}" --upgrade pip setuptools wheel
 "${PIP[@]}" -r "${REQUIREMENTS}"
 
-step "Horovod ${HOROVOD_VERSION} with TensorFlow, Gloo and MPI (built from source with ${HOROVOD_PATCH}, 3-6 minutes the first time)"
+# What the Horovod build gets in its environment besides the frameworks (none for the CPU build).
+HOROVOD_BUILD_ENV=()
+HOROVOD_FEATURES="Gloo and MPI"
+if ((GPU)); then
+  step "CUDA pieces from pip (requirements-gpu.txt): CUDA 12.5 runtime and NCCL for TensorFlow, CUDA 13.0's nvcc for Horovod"
+  "${PIP[@]}" -r requirements-gpu.txt
+  NVIDIA=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia
+  GPU_CUDA_HOME="${NVIDIA}/cu13"
+  GPU_NCCL_HOME="${NVIDIA}/nccl"
+  # The wheels as a toolkit: nvcc links from lib64, CMake looks for libcudart.so and libnccl.so.
+  ln -sfn lib "${GPU_CUDA_HOME}/lib64"
+  ln -sf libcudart.so.13 "${GPU_CUDA_HOME}/lib/libcudart.so"
+  ln -sf libnccl.so.2 "${GPU_NCCL_HOME}/lib/libnccl.so"
+  "${GPU_CUDA_HOME}/bin/nvcc" --version | tail -n 1 | sed 's/^/    nvcc: /'
+  # Horovod finds nvcc on PATH first (here it has to be this one, not another CUDA's); its CUDA
+  # kernels for these architectures (CUDA 13 compiles Turing, sm_75, and newer). NCCL is linked
+  # shared, from the wheel (TensorFlow's own NCCL); the CUDA runtime statically (Horovod's default).
+  # MAKEFLAGS: the build's jobs, and no flags leaking in from `make setup GPU=1`.
+  HOROVOD_BUILD_ENV=(HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME="${GPU_CUDA_HOME}" PATH="${GPU_CUDA_HOME}/bin:${PATH}"
+                     HOROVOD_BUILD_CUDA_CC_LIST=75,80,86,89,90 HOROVOD_NCCL_HOME="${GPU_NCCL_HOME}" HOROVOD_NCCL_LINK=SHARED
+                     MAKEFLAGS="-j$(nproc)")
+  HOROVOD_FEATURES="Gloo, MPI and NCCL (CUDA)"
+fi
+
+step "Horovod ${HOROVOD_VERSION} with TensorFlow, ${HOROVOD_FEATURES} (built from source with ${HOROVOD_PATCHES[*]}, 3-6 minutes the first time)"
 # Built against this environment's TensorFlow: rebuilt when its ops no longer load (another
-# TensorFlow) or it was built with another version of the patch (the patch's SHA-256, kept
-# beside the installed package).
-PATCH_SHA256=$(sha256sum "${HOROVOD_PATCH}" | cut -d' ' -f1)
+# TensorFlow) or it was built with other versions of the patches (the SHA-256 of the patches
+# in order, kept beside the installed package; for the CPU build, that of its one patch).
+PATCH_SHA256=$(cat "${HOROVOD_PATCHES[@]}" | sha256sum | cut -d' ' -f1)
 HOROVOD_CHECK='import horovod, horovod.tensorflow as hvd, pathlib, sys
 stamp = pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256"
 patched = stamp.exists() and stamp.read_text().strip() == sys.argv[2]
-sys.exit(not (horovod.__version__ == sys.argv[1] and patched and hvd.gloo_built() and hvd.mpi_built()))'
-if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" "${PATCH_SHA256}" >/dev/null 2>&1; then
+gpu = sys.argv[3] == "1"
+sys.exit(not (horovod.__version__ == sys.argv[1] and patched and hvd.gloo_built() and hvd.mpi_built()
+              and (not gpu or (hvd.nccl_built() and hvd.cuda_built()))))'
+if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" "${PATCH_SHA256}" "${GPU}" >/dev/null 2>&1; then
   SRC=$(mktemp -d)
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
     -d "${SRC}" "horovod==${HOROVOD_VERSION}"
@@ -71,11 +111,14 @@ if ! TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c "${HOROVOD_CHECK}" "${HOROVOD_VERSION}" "${
   # The patch: XLA includes only in GPU builds (TensorFlow 2.19+ moved them), Horovod's Keras
   # callbacks take the backend of tf.keras (tf_keras), not of `import keras` (Keras 3), and Gloo's
   # alltoall and allgather post their receives before their sends (both directions at once).
-  patch -d "${SRC}/horovod-${HOROVOD_VERSION}" -p1 --forward --quiet < "${HOROVOD_PATCH}" || {
-    echo "!! ${HOROVOD_PATCH} does not apply to horovod ${HOROVOD_VERSION}'s source in ${SRC}." >&2; exit 1; }
+  # The GPU patch: Horovod's XLA ops and TensorFlow GPU streams on TensorFlow 2.19+ (its header says how).
+  for patch_file in "${HOROVOD_PATCHES[@]}"; do
+    patch -d "${SRC}/horovod-${HOROVOD_VERSION}" -p1 --forward --quiet < "${patch_file}" || {
+      echo "!! ${patch_file} does not apply to horovod ${HOROVOD_VERSION}'s source in ${SRC}." >&2; exit 1; }
+  done
   # Gloo's CMakeLists predates CMake 4; this keeps a newer cmake working too.
-  CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+  env "${HOROVOD_BUILD_ENV[@]}" CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
     "${PIP[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps "${SRC}/horovod-${HOROVOD_VERSION}"
   "$PY" -c 'import pathlib, sys, horovod
 (pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256").write_text(sys.argv[1])' "${PATCH_SHA256}"
@@ -85,20 +128,26 @@ fi
 step "hvd_compress and its TensorFlow ops (tf_ops/ -> hvd_compress/_tf_ops-tf<version>.so)"
 # The editable install is made once; the ops are rebuilt in place when a
 # source or the TensorFlow version changed (setup.py's build_ext decides).
+# HVD_COMPRESS_GPU=1 (in the environment) makes setup.py add the ops' CUDA kernels, with the
+# toolkit at CUDA_HOME: the GPU build's (CUDA 13.0's nvcc and static runtime, from pip).
+OPS_ENV=(HVD_COMPRESS_GPU="${GPU}")
+((GPU)) && OPS_ENV+=(CUDA_HOME="${GPU_CUDA_HOME}")
 if ! "$PY" -m pip show -q hvd_compress >/dev/null 2>&1; then
-  "${PIP[@]}" --no-build-isolation --no-deps -e .
+  env "${OPS_ENV[@]}" "${PIP[@]}" --no-build-isolation --no-deps -e .
 fi
-tf_quiet "$PY" setup.py -q build_ext --inplace
+tf_quiet env "${OPS_ENV[@]}" "$PY" setup.py -q build_ext --inplace
 
 # Earlier set-ups forced tf_keras on every Python of the environment; the user's Keras decides now.
 rm -f "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hvd_compress_legacy_keras.pth"
 
-step "Check: the ops load, Horovod has Gloo and MPI"
+step "Check: the ops load, Horovod has ${HOROVOD_FEATURES}"
 tf_quiet "$PY" -c '
 import sys, tensorflow as tf, tf_keras, hvd_compress, hvd_compress.ops as ops, horovod, horovod.tensorflow as hvd
 import keras
 ops.library()
+gpu = sys.argv[1] == "1"
+nccl = f", NCCL {hvd.nccl_built()}, CUDA {hvd.cuda_built()}" if gpu else ""
 print(f"    TensorFlow {tf.__version__}, Keras {keras.__version__}, tf_keras {tf_keras.__version__}, "
-      f"Horovod {horovod.__version__} (Gloo {hvd.gloo_built()}, MPI {hvd.mpi_built()}), ops {ops.LIBRARY_PATH}")
-sys.exit(not (hvd.gloo_built() and hvd.mpi_built()))'
+      f"Horovod {horovod.__version__} (Gloo {hvd.gloo_built()}, MPI {hvd.mpi_built()}{nccl}), ops {ops.LIBRARY_PATH}")
+sys.exit(not (hvd.gloo_built() and hvd.mpi_built() and (not gpu or (hvd.nccl_built() and hvd.cuda_built()))))' "${GPU}"
 echo "==> set-up complete (${VENV})"

@@ -166,32 +166,6 @@ void SubtractMean(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_
       });
 }
 
-// Checks m >= 1 stacked payloads (payload_rank 2; one with payload_rank 1) against bounds,
-// which give n and the number of blocks; sets *m.
-absl::Status CheckPayloads(const Tensor& bits, const Tensor& scales, const Tensor& bounds, int payload_rank,
-                           int64_t* m) {
-  if (bounds.dims() != 1 || bounds.NumElements() == 0) {
-    return InvalidArgument("bounds must be a non-empty vector, got shape ", bounds.shape().DebugString());
-  }
-  const int64_t num_blocks = bounds.NumElements() - 1;
-  const int64_t n = bounds.flat<int64_t>()(num_blocks);
-  TF_RETURN_IF_ERROR(ValidateBounds(bounds, n));
-  if (bits.dims() != payload_rank || scales.dims() != payload_rank) {
-    return InvalidArgument("bits and scales must have rank ", payload_rank, ", got shapes ",
-                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
-  }
-  *m = payload_rank == 2 ? bits.dim_size(0) : 1;
-  const int64_t num_bytes = (n + 7) / 8;
-  if (bits.NumElements() != *m * num_bytes || scales.NumElements() != *m * num_blocks ||
-      (payload_rank == 2 && scales.dim_size(0) != *m)) {
-    return InvalidArgument("payload does not match bounds: expected bits [", *m, ", ", num_bytes, "] and scales [",
-                           *m, ", ", num_blocks, "] for n=", n, " and ", num_blocks, " blocks, got ",
-                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
-  }
-  if (*m == 0) return InvalidArgument("block_sign_unpack_mean needs at least one payload");
-  return absl::OkStatus();
-}
-
 // Calls piece(b, begin, end, scale_bits) for every piece [begin, end) of block b within the
 // elements [lo, hi) (blocks cut at the global chunk grid), with the bits of the m payloads'
 // scales of block b; chunks run on TensorFlow's intra-op threads.
@@ -305,7 +279,7 @@ class BlockSignUnpackOp : public OpKernel {
     const Tensor& scales_tensor = ctx->input(1);
     const Tensor& bounds_tensor = ctx->input(2);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckPayloads(bits_tensor, scales_tensor, bounds_tensor, kMean ? 2 : 1, &m));
+    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits_tensor, scales_tensor, bounds_tensor, kMean ? 2 : 1, &m));
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
     const int64_t num_blocks = bounds_tensor.NumElements() - 1;
     const int64_t n = bounds[num_blocks];
@@ -348,7 +322,7 @@ class ResourceSubtractBlockSignMeanOp : public OpKernel {
     const Tensor& bounds_tensor = ctx->input(3);
     const Tensor& offset_tensor = ctx->input(4);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckPayloads(bits_tensor, scales_tensor, bounds_tensor, 2, &m));
+    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits_tensor, scales_tensor, bounds_tensor, 2, &m));
     OP_REQUIRES(ctx, offset_tensor.dims() == 0,
                 InvalidArgument("offset must be a scalar, got shape ", offset_tensor.shape().DebugString()));
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
