@@ -62,32 +62,6 @@ inline absl::Status ValidateBounds(const Tensor& bounds, int64_t n) {
   return absl::OkStatus();
 }
 
-// The 1-bit sign ops' payloads (CPU and GPU kernels): m >= 1 stacked payloads (payload_rank 2; one
-// with payload_rank 1) against bounds, which give n and the number of blocks; sets *m.
-inline absl::Status CheckSignPayloads(const Tensor& bits, const Tensor& scales, const Tensor& bounds, int payload_rank,
-                           int64_t* m) {
-  if (bounds.dims() != 1 || bounds.NumElements() == 0) {
-    return tensorflow::errors::InvalidArgument("bounds must be a non-empty vector, got shape ", bounds.shape().DebugString());
-  }
-  const int64_t num_blocks = bounds.NumElements() - 1;
-  const int64_t n = bounds.flat<int64_t>()(num_blocks);
-  TF_RETURN_IF_ERROR(ValidateBounds(bounds, n));
-  if (bits.dims() != payload_rank || scales.dims() != payload_rank) {
-    return tensorflow::errors::InvalidArgument("bits and scales must have rank ", payload_rank, ", got shapes ",
-                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
-  }
-  *m = payload_rank == 2 ? bits.dim_size(0) : 1;
-  const int64_t num_bytes = (n + 7) / 8;
-  if (bits.NumElements() != *m * num_bytes || scales.NumElements() != *m * num_blocks ||
-      (payload_rank == 2 && scales.dim_size(0) != *m)) {
-    return tensorflow::errors::InvalidArgument("payload does not match bounds: expected bits [", *m, ", ", num_bytes, "] and scales [",
-                           *m, ", ", num_blocks, "] for n=", n, " and ", num_blocks, " blocks, got ",
-                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
-  }
-  if (*m == 0) return tensorflow::errors::InvalidArgument("block_sign_unpack_mean needs at least one payload");
-  return absl::OkStatus();
-}
-
 // Calls piece(block, begin, end) for every block that intersects the chunk
 // [chunk_begin, chunk_end), clipped to the chunk, in increasing order.
 template <typename Fn>

@@ -4,6 +4,7 @@
 // Built with -ffp-contract=off (setup.py, BUILD), so every product and sum is
 // rounded as TensorFlow's separate ops round it.
 #include "blocks.h"
+#include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace hvd_compress {
@@ -26,13 +27,7 @@ class MomentumErrorFeedOp : public OpKernel {
     const Tensor& lr = ctx->input(3);
     const Tensor& momentum = ctx->input(4);
     const Tensor& residual_scale = ctx->input(5);
-    OP_REQUIRES(ctx, g.shape() == m.shape() && g.shape() == e.shape(),
-                InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
-                                m.shape().DebugString(), " and ", e.shape().DebugString()));
-    OP_REQUIRES(ctx, lr.dims() == 0 && momentum.dims() == 0 && residual_scale.dims() == 0,
-                InvalidArgument("lr, momentum and residual_scale must be scalars, got shapes ",
-                                lr.shape().DebugString(), ", ", momentum.shape().DebugString(), " and ",
-                                residual_scale.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, checks::MomentumErrorFeedInputs(g, m, e, lr, momentum, residual_scale));
     Tensor* m_new = nullptr;
     Tensor* a = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &m_new));

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "gpu/launchers.h"
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -278,7 +279,7 @@ class BlockSignUnpackGpuOp : public OpKernel {
     const Tensor& scales = ctx->input(1);
     const Tensor& bounds = ctx->input(2);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits, scales, bounds, kMean ? 2 : 1, &m));
+    OP_REQUIRES_OK(ctx, checks::SignPayloads(bits, scales, bounds, kMean ? 2 : 1, &m));
     const int64_t num_blocks = bounds.NumElements() - 1;
     const int64_t n = bounds.flat<int64_t>()(num_blocks);
     const int num_plus = ctx->num_inputs() - 3;
@@ -307,7 +308,7 @@ class ResourceSubtractBlockSignMeanGpuOp : public OpKernel {
     const Tensor& bounds = ctx->input(3);
     const Tensor& offset_tensor = ctx->input(4);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits, scales, bounds, 2, &m));
+    OP_REQUIRES_OK(ctx, checks::SignPayloads(bits, scales, bounds, 2, &m));
     OP_REQUIRES(ctx, offset_tensor.dims() == 0,
                 InvalidArgument("offset must be a scalar, got shape ", offset_tensor.shape().DebugString()));
     const int64_t num_blocks = bounds.NumElements() - 1;
@@ -318,13 +319,8 @@ class ResourceSubtractBlockSignMeanGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
     tensorflow::mutex_lock lock(*var->mu());
     Tensor* v = var->tensor();
-    OP_REQUIRES(ctx, v->IsInitialized() && v->dtype() == tensorflow::DT_FLOAT,
-                InvalidArgument("variable must be an initialized float32 variable, got ",
-                                tensorflow::DataTypeString(v->dtype())));
+    OP_REQUIRES_OK(ctx, checks::SubtractTarget(*v, offset, n));
     const int64_t size = v->NumElements();
-    OP_REQUIRES(ctx, offset >= 0 && offset + size <= n,
-                InvalidArgument("the variable's ", size, " elements from offset ", offset,
-                                " do not fit in the payloads' n=", n));
     const hc_stream stream = StreamOf(ctx);
     if (var->copy_on_read_mode.load() || !v->RefCountIsOne()) {  // a read still holds the buffer
       Tensor copy;
@@ -375,13 +371,7 @@ class MomentumErrorFeedGpuOp : public OpKernel {
     const Tensor& lr = ctx->input(3);
     const Tensor& momentum = ctx->input(4);
     const Tensor& residual_scale = ctx->input(5);
-    OP_REQUIRES(ctx, g.shape() == m.shape() && g.shape() == e.shape(),
-                InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
-                                m.shape().DebugString(), " and ", e.shape().DebugString()));
-    OP_REQUIRES(ctx, lr.dims() == 0 && momentum.dims() == 0 && residual_scale.dims() == 0,
-                InvalidArgument("lr, momentum and residual_scale must be scalars, got shapes ",
-                                lr.shape().DebugString(), ", ", momentum.shape().DebugString(), " and ",
-                                residual_scale.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, checks::MomentumErrorFeedInputs(g, m, e, lr, momentum, residual_scale));
     Tensor *m_new = nullptr, *a = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &m_new));
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 1, g.shape(), &a));
@@ -428,13 +418,8 @@ class HalfPackGpuOp : public OpKernel {
 class HalfUnpackGpuOp : public OpKernel {
  public:
   explicit HalfUnpackGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &sizes_));
     std::vector<tensorflow::DataType> dtypes;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtypes));
-    OP_REQUIRES(ctx, sizes_.size() == dtypes.size(),
-                InvalidArgument("HalfUnpack needs one dtype per size: got ", sizes_.size(), " sizes and ",
-                                dtypes.size(), " dtypes"));
-    for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+    OP_REQUIRES_OK(ctx, checks::HalfUnpackAttrs(ctx, &sizes_, &dtypes));
     where_ = std::make_unique<PartIndex>(sizes_);
   }
 
@@ -442,15 +427,8 @@ class HalfUnpackGpuOp : public OpKernel {
     OpInputList packed;
     OP_REQUIRES_OK(ctx, ctx->input_list("packed", &packed));
     std::vector<int64_t> lengths;
-    for (int j = 0; j < packed.size(); ++j) {
-      OP_REQUIRES(ctx, packed[j].dims() == 1,
-                  InvalidArgument("packed[", j, "] must be a vector, got shape ", packed[j].shape().DebugString()));
-      lengths.push_back(packed[j].NumElements());
-    }
+    OP_REQUIRES_OK(ctx, checks::PackedVectors(packed, where_->total(), &lengths));
     const PartIndex flat_where(lengths);
-    OP_REQUIRES(ctx, flat_where.total() == where_->total(),
-                InvalidArgument("packed must hold sum(sizes) = ", where_->total(), " float16 values in all, got ",
-                                flat_where.total()));
     OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
     const hc_stream stream = StreamOf(ctx);
@@ -615,15 +593,7 @@ class GatherAtGpuOp : public OpKernel {
 class ScatterMeanGpuOp : public OpKernel {
  public:
   explicit ScatterMeanGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &sizes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("count", &count_));
-    OP_REQUIRES(ctx, count_ >= 1, InvalidArgument("count must be >= 1, got ", count_));
-    int n_outputs = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_outputs));
-    OP_REQUIRES(ctx, n_outputs == static_cast<int>(sizes_.size()),
-                InvalidArgument("ScatterMean needs one size per output: N=", n_outputs, ", ", sizes_.size(),
-                                " sizes"));
-    for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+    OP_REQUIRES_OK(ctx, checks::ScatterMeanAttrs(ctx, &sizes_, &count_));
   }
 
   void Compute(OpKernelContext* ctx) override {

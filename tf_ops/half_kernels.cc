@@ -11,6 +11,7 @@
 #endif
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace hvd_compress {
@@ -125,12 +126,7 @@ class HalfPackOp : public OpKernel {
 class HalfUnpackOp : public OpKernel {
  public:
   explicit HalfUnpackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &sizes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &dtypes_));
-    OP_REQUIRES(ctx, sizes_.size() == dtypes_.size(),
-                InvalidArgument("HalfUnpack needs one dtype per size: got ", sizes_.size(), " sizes and ",
-                                dtypes_.size(), " dtypes"));
-    for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+    OP_REQUIRES_OK(ctx, checks::HalfUnpackAttrs(ctx, &sizes_, &dtypes_));
     where_ = std::make_unique<PartIndex>(sizes_);
   }
 
@@ -138,17 +134,12 @@ class HalfUnpackOp : public OpKernel {
     OpInputList packed;
     OP_REQUIRES_OK(ctx, ctx->input_list("packed", &packed));
     std::vector<int64_t> lengths;
+    OP_REQUIRES_OK(ctx, checks::PackedVectors(packed, where_->total(), &lengths));
     std::vector<Half*> flats;
     for (int j = 0; j < packed.size(); ++j) {
-      OP_REQUIRES(ctx, packed[j].dims() == 1,
-                  InvalidArgument("packed[", j, "] must be a vector, got shape ", packed[j].shape().DebugString()));
-      lengths.push_back(packed[j].NumElements());
       flats.push_back(const_cast<Half*>(packed[j].flat<Half>().data()));
     }
     const PartIndex flat_where(lengths);
-    OP_REQUIRES(ctx, flat_where.total() == where_->total(),
-                InvalidArgument("packed must hold sum(sizes) = ", where_->total(), " float16 values in all, got ",
-                                flat_where.total()));
     OpOutputList ys;
     OP_REQUIRES_OK(ctx, ctx->output_list("ys", &ys));
     std::vector<void*> parts;

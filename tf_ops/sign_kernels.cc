@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -279,7 +280,7 @@ class BlockSignUnpackOp : public OpKernel {
     const Tensor& scales_tensor = ctx->input(1);
     const Tensor& bounds_tensor = ctx->input(2);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits_tensor, scales_tensor, bounds_tensor, kMean ? 2 : 1, &m));
+    OP_REQUIRES_OK(ctx, checks::SignPayloads(bits_tensor, scales_tensor, bounds_tensor, kMean ? 2 : 1, &m));
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
     const int64_t num_blocks = bounds_tensor.NumElements() - 1;
     const int64_t n = bounds[num_blocks];
@@ -322,7 +323,7 @@ class ResourceSubtractBlockSignMeanOp : public OpKernel {
     const Tensor& bounds_tensor = ctx->input(3);
     const Tensor& offset_tensor = ctx->input(4);
     int64_t m = 0;
-    OP_REQUIRES_OK(ctx, CheckSignPayloads(bits_tensor, scales_tensor, bounds_tensor, 2, &m));
+    OP_REQUIRES_OK(ctx, checks::SignPayloads(bits_tensor, scales_tensor, bounds_tensor, 2, &m));
     OP_REQUIRES(ctx, offset_tensor.dims() == 0,
                 InvalidArgument("offset must be a scalar, got shape ", offset_tensor.shape().DebugString()));
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
@@ -334,13 +335,8 @@ class ResourceSubtractBlockSignMeanOp : public OpKernel {
     OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
     tensorflow::mutex_lock lock(*var->mu());
     Tensor* v = var->tensor();
-    OP_REQUIRES(ctx, v->IsInitialized() && v->dtype() == tensorflow::DT_FLOAT,
-                InvalidArgument("variable must be an initialized float32 variable, got ",
-                                tensorflow::DataTypeString(v->dtype())));
+    OP_REQUIRES_OK(ctx, checks::SubtractTarget(*v, offset, n));
     const int64_t size = v->NumElements();
-    OP_REQUIRES(ctx, offset >= 0 && offset + size <= n,
-                InvalidArgument("the variable's ", size, " elements from offset ", offset,
-                                " do not fit in the payloads' n=", n));
     if (var->copy_on_read_mode.load() || !v->RefCountIsOne()) {  // a read still holds the buffer
       Tensor copy;
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, v->shape(), &copy));

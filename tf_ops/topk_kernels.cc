@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace hvd_compress {
@@ -411,15 +412,7 @@ class GatherAtOp : public OpKernel {
 class ScatterMeanOp : public OpKernel {
  public:
   explicit ScatterMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &sizes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("count", &count_));
-    OP_REQUIRES(ctx, count_ >= 1, InvalidArgument("count must be >= 1, got ", count_));
-    int n_outputs = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_outputs));
-    OP_REQUIRES(ctx, n_outputs == static_cast<int>(sizes_.size()),
-                InvalidArgument("ScatterMean needs one size per output: N=", n_outputs, ", ",
-                                sizes_.size(), " sizes"));
-    for (int64_t s : sizes_) OP_REQUIRES(ctx, s >= 0, InvalidArgument("sizes must be >= 0, got ", s));
+    OP_REQUIRES_OK(ctx, checks::ScatterMeanAttrs(ctx, &sizes_, &count_));
     where_ = std::make_unique<PartIndex>(sizes_);
   }
 

@@ -1,0 +1,123 @@
+// Checks of the ops' inputs and attributes, shared by the CPU kernels (tf_ops/*_kernels.cc) and
+// TensorFlow's GPU kernels (gpu_kernels.cu.cc), so both refuse the same inputs with the same words.
+#ifndef HVD_COMPRESS_TF_OPS_OP_CHECKS_H_
+#define HVD_COMPRESS_TF_OPS_OP_CHECKS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "blocks.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace hvd_compress {
+namespace checks {
+
+using tensorflow::errors::InvalidArgument;
+
+// The 1-bit sign ops' payloads: m >= 1 stacked payloads (payload_rank 2; one with payload_rank 1)
+// against bounds, which give n and the number of blocks; sets *m.
+inline absl::Status SignPayloads(const Tensor& bits, const Tensor& scales, const Tensor& bounds, int payload_rank,
+                                 int64_t* m) {
+  if (bounds.dims() != 1 || bounds.NumElements() == 0) {
+    return InvalidArgument("bounds must be a non-empty vector, got shape ", bounds.shape().DebugString());
+  }
+  const int64_t num_blocks = bounds.NumElements() - 1;
+  const int64_t n = bounds.flat<int64_t>()(num_blocks);
+  TF_RETURN_IF_ERROR(ValidateBounds(bounds, n));
+  if (bits.dims() != payload_rank || scales.dims() != payload_rank) {
+    return InvalidArgument("bits and scales must have rank ", payload_rank, ", got shapes ",
+                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
+  }
+  *m = payload_rank == 2 ? bits.dim_size(0) : 1;
+  const int64_t num_bytes = (n + 7) / 8;
+  if (bits.NumElements() != *m * num_bytes || scales.NumElements() != *m * num_blocks ||
+      (payload_rank == 2 && scales.dim_size(0) != *m)) {
+    return InvalidArgument("payload does not match bounds: expected bits [", *m, ", ", num_bytes, "] and scales [",
+                           *m, ", ", num_blocks, "] for n=", n, " and ", num_blocks, " blocks, got ",
+                           bits.shape().DebugString(), " and ", scales.shape().DebugString());
+  }
+  if (*m == 0) return InvalidArgument("block_sign_unpack_mean needs at least one payload");
+  return absl::OkStatus();
+}
+
+// ResourceSubtractBlockSignMean's variable `v`: initialized float32, its elements from `offset` within the
+// payloads' n.
+inline absl::Status SubtractTarget(const Tensor& v, int64_t offset, int64_t n) {
+  if (!v.IsInitialized() || v.dtype() != tensorflow::DT_FLOAT) {
+    return InvalidArgument("variable must be an initialized float32 variable, got ",
+                           tensorflow::DataTypeString(v.dtype()));
+  }
+  if (offset < 0 || offset + v.NumElements() > n) {
+    return InvalidArgument("the variable's ", v.NumElements(), " elements from offset ", offset,
+                           " do not fit in the payloads' n=", n);
+  }
+  return absl::OkStatus();
+}
+
+// MomentumErrorFeed's inputs: g, m and e of one shape; lr, momentum and residual_scale scalars.
+inline absl::Status MomentumErrorFeedInputs(const Tensor& g, const Tensor& m, const Tensor& e, const Tensor& lr,
+                                            const Tensor& momentum, const Tensor& residual_scale) {
+  if (g.shape() != m.shape() || g.shape() != e.shape()) {
+    return InvalidArgument("g, m and e must have one shape, got ", g.shape().DebugString(), ", ",
+                           m.shape().DebugString(), " and ", e.shape().DebugString());
+  }
+  if (lr.dims() != 0 || momentum.dims() != 0 || residual_scale.dims() != 0) {
+    return InvalidArgument("lr, momentum and residual_scale must be scalars, got shapes ", lr.shape().DebugString(),
+                           ", ", momentum.shape().DebugString(), " and ", residual_scale.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// HalfUnpack's attributes: one dtype per size, sizes >= 0.
+inline absl::Status HalfUnpackAttrs(tensorflow::OpKernelConstruction* ctx, std::vector<int64_t>* sizes,
+                                    std::vector<tensorflow::DataType>* dtypes) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("sizes", sizes));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("T", dtypes));
+  if (sizes->size() != dtypes->size()) {
+    return InvalidArgument("HalfUnpack needs one dtype per size: got ", sizes->size(), " sizes and ", dtypes->size(),
+                           " dtypes");
+  }
+  for (int64_t s : *sizes) {
+    if (s < 0) return InvalidArgument("sizes must be >= 0, got ", s);
+  }
+  return absl::OkStatus();
+}
+
+// HalfUnpack's `packed`: vectors of `total` elements in all; their lengths into *lengths.
+inline absl::Status PackedVectors(const tensorflow::OpInputList& packed, int64_t total, std::vector<int64_t>* lengths) {
+  int64_t sum = 0;
+  for (int j = 0; j < packed.size(); ++j) {
+    if (packed[j].dims() != 1) {
+      return InvalidArgument("packed[", j, "] must be a vector, got shape ", packed[j].shape().DebugString());
+    }
+    lengths->push_back(packed[j].NumElements());
+    sum += packed[j].NumElements();
+  }
+  if (sum != total) {
+    return InvalidArgument("packed must hold sum(sizes) = ", total, " float16 values in all, got ", sum);
+  }
+  return absl::OkStatus();
+}
+
+// ScatterMean's attributes: one size (>= 0) per output, count >= 1.
+inline absl::Status ScatterMeanAttrs(tensorflow::OpKernelConstruction* ctx, std::vector<int64_t>* sizes,
+                                     int64_t* count) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("sizes", sizes));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("count", count));
+  if (*count < 1) return InvalidArgument("count must be >= 1, got ", *count);
+  int n_outputs = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("N", &n_outputs));
+  if (n_outputs != static_cast<int>(sizes->size())) {
+    return InvalidArgument("ScatterMean needs one size per output: N=", n_outputs, ", ", sizes->size(), " sizes");
+  }
+  for (int64_t s : *sizes) {
+    if (s < 0) return InvalidArgument("sizes must be >= 0, got ", s);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace checks
+}  // namespace hvd_compress
+
+#endif  // HVD_COMPRESS_TF_OPS_OP_CHECKS_H_
