@@ -24,17 +24,20 @@ def test_setup_builds_the_library_the_package_loads():
 
 
 def test_horovod_is_built_with_this_checkouts_patch():
-    """scripts/setup.sh stamps the patch's SHA-256 beside the Horovod it built (and rebuilds when
-    the patch changes); with the patch, Gloo posts receives first and Compression.fp16 sends 2 MiB
-    pieces (exchange.HALF_CHUNK_BYTES)."""
+    """scripts/setup.sh stamps the SHA-256 of the patches it applied, in order, beside the Horovod it built (and
+    rebuilds when they change): the CPU build's patch, and the GPU build's on top where Horovod has NCCL (make setup
+    GPU=1); with the patch, Gloo posts receives first and Compression.fp16 sends 2 MiB pieces
+    (exchange.HALF_CHUNK_BYTES)."""
     import hashlib
 
     import horovod
+    import horovod.tensorflow as hvd
     from hvd_compress import exchange
 
     stamp = pathlib.Path(horovod.__file__).parent / "hvd_compress_patch.sha256"
-    patch = ROOT / "patches" / "horovod-0.28.1.patch"
-    assert stamp.read_text().strip() == hashlib.sha256(patch.read_bytes()).hexdigest()
+    patches = ["horovod-0.28.1.patch"] + (["horovod-0.28.1-gpu.patch"] if hvd.nccl_built() else [])
+    applied = b"".join((ROOT / "patches" / name).read_bytes() for name in patches)
+    assert stamp.read_text().strip() == hashlib.sha256(applied).hexdigest()
     assert horovod.gloo_receives_first is True
     assert exchange.HALF_CHUNK_BYTES == 2 << 20
 
