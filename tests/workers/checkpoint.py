@@ -81,8 +81,8 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
             tf.train.Checkpoint(model=model, optimizer=opt).restore(latest).assert_existing_objects_matched()
         elif save_format == "weights":
             model.load_weights(path)
-        elif is_gossip(method):
-            model = hc.load_model(path, optimizer_wrapper=lambda sgd: pushsum(sgd, method))
+        elif is_gossip(method):  # the file gives PushSumOptimizer back with its settings, the transport among them
+            model = hc.load_model(path)
         else:
             model = hc.load_model(path, compression=new_model_and_optimizer(keras, method)[2])
         opt = model.optimizer
