@@ -111,7 +111,7 @@ class Mailbox:
                 "for it.", self.rank)
             self.MPI.COMM_WORLD.Abort(1)
         if self.thread.is_alive():
-            self.jobs.put("meet")
+            self.jobs.put(None)
             self.thread.join(CLOSE_TIMEOUT_SECONDS + 1)
 
     def _run(self):
@@ -122,7 +122,7 @@ class Mailbox:
         MPI, sending = self.MPI, []
         while True:
             job = self.jobs.get()
-            if job == "meet":  # close(); MPI is finalised already after the user's own hvd.shutdown()
+            if job is None:  # close(); MPI is finalised already after the user's own hvd.shutdown()
                 if not MPI.Is_finalized():
                     self._wait([request for request, _ in sending] + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
                 return
