@@ -30,8 +30,8 @@ flags.DEFINE_integer("ranks", 2, "Ranks.")
 flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3).")
 flags.DEFINE_integer("seed", 0, "Seed of every run (digits).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer).")
-flags.DEFINE_list("transformer_methods", ["none", "onebit", "topk", "powersgd", "topk_10pct", "powersgd_rank16",
-                                          "randomk_10pct"],
+flags.DEFINE_list("transformer_methods", ["none", "onebit", "onebit_oneway_b256", "topk", "powersgd", "topk_10pct",
+                                          "powersgd_rank16", "randomk_10pct"],
                   "Methods of the transformer task: names of hc.methods that examples/keras_transformer.py takes, "
                   "or of TRANSFORMER_VARIANTS.")
 flags.DEFINE_list("methods", ["none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4", "topk", "randomk",
@@ -48,7 +48,8 @@ OVERRIDES = {"randomk": ["--ratio=0.1"]}
 OTHER_RUNS = {"accordion": ("keras_accordion.py", ["--mode=accordion", "--family=powersgd"])}
 #: the transformer task's runs of a method at other settings than hc.methods' defaults: name -> the example's flags
 #: (the settings that keep AdamW's accuracy, which the compressors' under_adam notes cite)
-TRANSFORMER_VARIANTS = {"topk_10pct": ["--method=topk", "--topk_ratio=0.1"],
+TRANSFORMER_VARIANTS = {"onebit_oneway_b256": ["--method=onebit_oneway", "--block_size=256"],
+                        "topk_10pct": ["--method=topk", "--topk_ratio=0.1"],
                         "powersgd_rank16": ["--method=powersgd", "--powersgd_rank=16"],
                         "randomk_10pct": ["--method=randomk", "--topk_ratio=0.1"]}
 
@@ -98,7 +99,9 @@ def render_transformer(runs):
     note = (f"causal transformer (examples/keras_transformer.py), {first['parameters']:,} parameters, {first['ranks']} "
             f"ranks, {first['steps']} steps, {first['policy']}, AdamW with a warm-up into a cosine decay and "
             f"global-norm clipping; the compressed methods start after 15% of the steps at full precision (onebit: "
-            f"1-bit Adam); topk, randomk and powersgd at hc.methods' defaults (1% of the coordinates, rank 4), "
+            f"1-bit Adam; the others: error feedback on gradients, Adam's variance frozen after the warm-up); "
+            f"onebit_oneway_b256 is 1-bit Adam one-way with a scale per 256 elements; topk, randomk and powersgd at "
+            f"hc.methods' defaults (1% of the coordinates, rank 4), "
             f"topk_10pct, randomk_10pct and powersgd_rank16 at 10% and rank 16. Accuracy: next-character accuracy on "
             f"65,000 held-out characters; bytes: one worker's per compressed step.")
     rows = [[method, f"{mean[method]:.4f}", ", ".join(f"{r['test_accuracy']:.4f}" for r in seeds),

@@ -30,6 +30,17 @@ AdamW's decoupled weight decay, x = x - lr wd x, comes first, as Keras applies i
 schedule's rate of this step. The warm-up branch is Keras's Adam update written out (tf_keras's
 adaptive_epsilon too); both work on the slots Keras created, so model files, broadcasts and other
 world sizes carry m, v and the step; the residuals e_i (per rank) and e_s (sharded) are checkpoints'.
+
+Adam with a frozen variance: the compressors that feed back errors on gradients (top-k, random-k, PowerSGD,
+quantize) under Adam and AdamW with warmup_steps > 0 keep the first half of that rule. After the warm-up v is
+frozen and m follows the exchanged mean gradient D (error feedback on gradients, a_i = g_i + e_i):
+
+    t >  T_w:  m = m + (D - m)(1 - b1);   x = x - lr sqrt(1 - b2^T_w) / (1 - b1^t) * m / d
+
+A sparse or low-rank D is a mean whose coordinates arrive in bursts (what top-k holds back for k steps comes
+at once): Adam's v would grow with the burst's square and shrink the steps of exactly those coordinates.
+With v frozen at the full-precision warm-up's estimate, the bursts move m alone (measured on the transformer in
+docs/algorithms.md, "Which compression under which optimizer").
 """
 import tensorflow as tf
 
@@ -41,9 +52,10 @@ def default_warmup_steps(optimizer):
     return int(round(1.0 / (1.0 - float(optimizer.beta_2))))
 
 
-class AdamMomentumInFront:
-    """The worker's side of 1-bit Adam for the compressed variables of one Adam (or AdamW): what it
-    hands the exchange (`error_fed`) and the step it takes from the exchanged mean (`delta`)."""
+class FrozenVarianceAdam:
+    """The worker's side of Adam (or AdamW) with its variance frozen after the warm-up, for the compressed
+    variables of one optimizer whose compressor feeds back errors on gradients: what it hands the exchange
+    (`error_fed`) and the step it takes from the exchanged mean (`delta`)."""
 
     def __init__(self, optimizer, variables, warmup_steps, variance_steps):
         """variance_steps: a replicated float32 variable, the number of steps v has averaged (0: none yet)."""
@@ -59,14 +71,8 @@ class AdamMomentumInFront:
         return tf.cast(step, tf.int64) < self.warmup_steps
 
     def error_fed(self, slot, g, e, step):
-        """a_i: the gradient during warm-up, then this rank's momentum plus its residual."""
-        m = self.slots[slot][0]
-
-        def momentum():
-            m_ = tf.cast(m, tf.float32)
-            return (m_ + (g - m_) * (1.0 - self.beta_1)) / self.preconditioner(slot, tf.float32) + e
-
-        return tf.cond(self.warm(step), lambda: tf.identity(g), momentum)
+        """a_i = g_i + e_i (e_i stays zero through the warm-up)."""
+        return g + e
 
     def preconditioner(self, slot, dtype):
         """d = sqrt(v) + eps (v_hat under amsgrad; tf_keras's adaptive epsilon scaled with the frozen
@@ -88,8 +94,8 @@ class AdamMomentumInFront:
         return steps
 
     def delta(self, slot, mean, step, learning_rate, variance_steps):
-        """What the variable loses this step, from the exchanged mean (the gradient during warm-up, then
-        m / d); updates m (and v during warm-up). variance_steps: count_variance_steps(step)."""
+        """What the variable loses this step, from the exchanged mean; updates m (and v during warm-up).
+        variance_steps: count_variance_steps(step)."""
         m, v, v_hat = self.slots[slot]
         mean = tf.reshape(tf.cast(mean, m.dtype), m.shape)
         t = tf.cast(step + 1, tf.float32)
@@ -104,8 +110,30 @@ class AdamMomentumInFront:
                 v_hat.assign(tf.maximum(v_hat, v))
             return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
 
-        def one_bit_adam():
-            m.assign(mean * self.preconditioner(slot, m.dtype))
-            return mean * alpha
+        return tf.cond(self.warm(step), adam, lambda: self.compressed_step(slot, mean, alpha))
 
-        return tf.cond(self.warm(step), adam, one_bit_adam)
+    def compressed_step(self, slot, mean, alpha):
+        """After the warm-up: m follows the exchanged mean gradient, v stays."""
+        m = self.slots[slot][0]
+        m.assign_add((mean - m) * (1.0 - self.beta_1))
+        return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
+
+
+class AdamMomentumInFront(FrozenVarianceAdam):
+    """The worker's side of 1-bit Adam: Adam's momentum over d is what travels after the warm-up."""
+
+    def error_fed(self, slot, g, e, step):
+        """a_i: the gradient during warm-up, then this rank's momentum over d plus its residual."""
+        m = self.slots[slot][0]
+
+        def momentum():
+            m_ = tf.cast(m, tf.float32)
+            return (m_ + (g - m_) * (1.0 - self.beta_1)) / self.preconditioner(slot, tf.float32) + e
+
+        return tf.cond(self.warm(step), lambda: tf.identity(g), momentum)
+
+    def compressed_step(self, slot, mean, alpha):
+        """After the warm-up the mean is m / d, averaged: m = mean d, and the step is alpha mean."""
+        m = self.slots[slot][0]
+        m.assign(mean * self.preconditioner(slot, m.dtype))
+        return mean * alpha

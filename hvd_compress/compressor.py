@@ -5,7 +5,9 @@ A compressor is one small unit (one module with its exchange, see docs/architect
 - `update_rule` says what the worker does around the exchange (GradientExchange reads it, never
   the compressor's class):
     ERROR_FEEDBACK     a = g + e; the exchange sends part of a; e = a - sent (kept per rank);
-                       the wrapped optimizer applies the exchanged mean as the gradient.
+                       the wrapped optimizer applies the exchanged mean as the gradient (under Adam
+                       and AdamW with warmup_steps > 0, Adam with its variance frozen after the
+                       warm-up, adam.FrozenVarianceAdam).
     MOMENTUM_IN_FRONT  under SGD (dist-EF-SGD, sketched SGD): momentum before the compressor and
                        the learning rate inside, m = mu m + g, a = lr p + s e (p = m, or
                        mu m + g with Nesterov; s = lr / last lr), and the exchanged D is subtracted

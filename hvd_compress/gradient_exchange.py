@@ -19,7 +19,8 @@ rank and world size it belongs to; a restore onto another rank or world size
 starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
 
 Update rules (the compressor's `update_rule`; `direct_update` where lr is inside):
-- ERROR_FEEDBACK: a_i = g_i + e_i, e_i = a_i - sent_i; the mean is the gradient.
+- ERROR_FEEDBACK: a_i = g_i + e_i, e_i = a_i - sent_i; the mean is the gradient (under Adam and AdamW with a
+  warm-up, Adam with its variance frozen after it: adam.py).
 - MOMENTUM_IN_FRONT under SGD: m_i = mu m_i + g_i, a_i = lr p_i + s e_i (ops.momentum_error_feed),
   and the mean D is a delta the optimizer subtracts; under Adam and AdamW 1-bit Adam (adam.py: Adam's
   momentum is exchanged, its variance frozen after the warm-up); under other optimizers ERROR_FEEDBACK.
@@ -43,7 +44,7 @@ from hvd_compress import exchange, hosts, ops, state
 from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
                                      NoneCompressor, StatefulCompressor)
 from hvd_compress.accordion import AdaptiveCompression
-from hvd_compress.adam import AdamMomentumInFront, default_warmup_steps
+from hvd_compress.adam import AdamMomentumInFront, FrozenVarianceAdam, default_warmup_steps
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
@@ -162,7 +163,9 @@ class GradientExchange(tf.Module):
         variables = list(variables)
         rule = self.compression.update_rule
         one_bit_adam = adam is not None and rule == MOMENTUM_IN_FRONT
-        self.direct_update = (sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)) or one_bit_adam
+        # Adam's variance frozen after the warm-up, m following the exchanged gradient (adam.FrozenVarianceAdam)
+        frozen_variance = adam is not None and rule == ERROR_FEEDBACK and bool(self.requested_warmup_steps)
+        self.direct_update = (sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)) or one_bit_adam or frozen_variance
         #: error feedback (the worker's residual per compressed variable; hierarchical: the exchange's, on
         #: its shard of the host's mean), and a momentum in front
         self.feedback = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
@@ -171,14 +174,13 @@ class GradientExchange(tf.Module):
         self.warmup_steps = self.requested_warmup_steps
         if self.warmup_steps is None:
             self.warmup_steps = default_warmup_steps(adam) if one_bit_adam else 0
-        self._refuse_unsupported(rule, sgd, one_bit_adam)
+        self._refuse_unsupported(rule, sgd, one_bit_adam, frozen_variance)
         # Kept as plain facts, not references: the module must not track the model's variables.
         self.variable_ids = [id(v) for v in variables]
         self.variable_names = [variable_name(v) for v in variables]
         self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
-        #: 1-bit Adam's side of the worker (adam.py), or None
         object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
         object.__setattr__(self, "_holder", holder or self)
         object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
@@ -190,9 +192,12 @@ class GradientExchange(tf.Module):
         # The step the warm-up counts: the optimizer's, else this exchange's own (not tracked here).
         object.__setattr__(self, "_step_variable",
                            getattr(self._holder, "iterations", None) if self.own_steps is None else self.own_steps)
-        self.adam = (AdamMomentumInFront(adam, [variables[i] for i in self.layout.compressed], self.warmup_steps,
-                                         self._state_variable(StateSpec("adam_variance_steps", (), REPLICATED), None))
-                     if one_bit_adam else None)
+        #: the worker's side of 1-bit Adam or of Adam with a frozen variance (adam.py), or None
+        self.adam = None
+        if one_bit_adam or frozen_variance:
+            self.adam = (AdamMomentumInFront if one_bit_adam else FrozenVarianceAdam)(
+                adam, [variables[i] for i in self.layout.compressed], self.warmup_steps,
+                self._state_variable(StateSpec("adam_variance_steps", (), REPLICATED), None))
         # dist-EF-SGD's residuals follow the learning rate (_residual_scale): the last step's rate.
         self.previous_learning_rate = (self._state_variable(StateSpec("previous_learning_rate", (), REPLICATED), None)
                                        if self.direct_update and self.adam is None else None)
@@ -200,11 +205,14 @@ class GradientExchange(tf.Module):
         self._plan_world()
         self.built = True
 
-    def _refuse_unsupported(self, rule, sgd, one_bit_adam):
+    def _refuse_unsupported(self, rule, sgd, one_bit_adam, frozen_variance):
         """At build, before any collective: combinations whose result would be wrong."""
-        if one_bit_adam and self.op != hvd.Average:
-            raise ValueError(f"{self.compression!r} under Adam exchanges Adam's momentum (1-bit Adam), which is an "
-                             "average: use op=hvd.Average.")
+        if (one_bit_adam or frozen_variance) and self.op != hvd.Average:
+            rule = ("exchanges Adam's momentum (1-bit Adam)" if one_bit_adam else
+                    f"with warmup_steps={self.warmup_steps} moves Adam's momentum by the averaged gradient and freezes "
+                    "its variance after the warm-up")
+            raise ValueError(f"{self.compression!r} under Adam {rule}, which needs an average: use op=hvd.Average"
+                             f"{'' if one_bit_adam else ' (or warmup_steps=0)'}.")
         if one_bit_adam and not self.warmup_steps:
             raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
                              "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "

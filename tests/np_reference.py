@@ -203,6 +203,25 @@ class DistEFSGD:
         x -= np.add.reduce(fed) / np.float32(self.n)
 
 
+class TopKExchange:
+    """Top-k with error feedback on gradients for n simulated workers (Compression.topk, flat): each sends its
+    k largest |a_i|, e_i = a_i - sent; the mean is the rank-ordered sum over n."""
+
+    def __init__(self, d, n, k):
+        self.n, self.k = n, k
+        self.e = [np.zeros(d, np.float32) for _ in range(n)]
+
+    def error_fed_mean(self, values):
+        total = np.zeros_like(self.e[0])
+        for i, g in enumerate(values):
+            a = g + self.e[i]
+            values, indices = top_k_abs(a, self.k)
+            sent = scatter_dense(indices, values, a.size)
+            self.e[i] = a - sent
+            total += sent
+        return total / np.float32(self.n)
+
+
 class OneBitAdam:
     """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
     Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps exchanged
@@ -210,14 +229,15 @@ class OneBitAdam:
     computes Keras's x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
-                 block_size=None, two_way=True, amsgrad=False, hosts=None):
-        """hosts: (H, L), the n = H L workers on H hosts of L, exchanging hierarchically (HierarchicalOneBit)."""
+                 block_size=None, two_way=True, amsgrad=False, hosts=None, exchange=None):
+        """hosts: (H, L), the n = H L workers on H hosts of L, exchanging hierarchically (HierarchicalOneBit);
+        exchange: another exchange of the compressed steps (error_fed_mean)."""
         self.n, self.warmup_steps, self.amsgrad = n, warmup_steps, amsgrad
         self.b1, self.b2, self.eps, self.wd = (np.float32(v) for v in (beta_1, beta_2, epsilon, weight_decay))
         # 1 - beta in Python's float64, then float32: as Keras computes them
         self.keep_1, self.keep_2 = np.float32(1 - beta_1), np.float32(1 - beta_2)
-        self.exchange = (HierarchicalOneBit(d, *hosts, block_size, two_way) if hosts else
-                         OneBitExchange(d, n, block_size, two_way))
+        self.exchange = exchange or (HierarchicalOneBit(d, *hosts, block_size, two_way) if hosts else
+                                     OneBitExchange(d, n, block_size, two_way))
         self.m, self.v, self.v_hat = np.zeros(d, np.float32), np.zeros(d, np.float32), np.zeros(d, np.float32)
         self.t = 0
 
@@ -235,13 +255,25 @@ class OneBitAdam:
             self.v_hat = np.maximum(self.v_hat, self.v)
             x -= (self.m * np.float32(alpha)) / self.preconditioner()
             return
+        x -= self.compressed_step(grads, np.float32(alpha))
+
+    def compressed_step(self, grads, alpha):
         d = self.preconditioner()
         mean = self.exchange.error_fed_mean([(self.m + (g - self.m) * self.keep_1) / d for g in grads])
         self.m = mean * d
-        x -= mean * np.float32(alpha)
+        return mean * alpha
 
     def preconditioner(self):
         return np.sqrt(self.v_hat if self.amsgrad else self.v) + self.eps
+
+
+class FrozenVarianceAdam(OneBitAdam):
+    """Adam with its variance frozen after the warm-up (hvd_compress/adam.py), for a compressor with error
+    feedback on gradients (`exchange`): m follows the exchanged mean gradient, v stays."""
+
+    def compressed_step(self, grads, alpha):
+        self.m += (self.exchange.error_fed_mean(grads) - self.m) * self.keep_1
+        return (self.m * alpha) / self.preconditioner()
 
 
 def _mix64(z):

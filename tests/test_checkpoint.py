@@ -12,8 +12,9 @@ from hvdrun import KERASES, run_ranks
 # Every method and every format, written by rank 0: test_conventions.py.
 CHECKPOINTS = {"tf_keras": ["checkpoint/onebit", "weights/onebit", "checkpoint/randomk", "checkpoint/sketch",
                             "checkpoint/sgp", "weights/powersgd", "checkpoint/onebit_adamw"],
-               "keras3": ["checkpoint/onebit", "checkpoint/sgp", "checkpoint/powersgd", "checkpoint/onebit_adamw"]}
-MODEL_FILES = {"tf_keras": ["h5/powersgd", "savedmodel/sgp", "h5/onebit_adamw"],
+               "keras3": ["checkpoint/onebit", "checkpoint/sgp", "checkpoint/powersgd", "checkpoint/onebit_adamw",
+                          "checkpoint/topk_adamw"]}
+MODEL_FILES = {"tf_keras": ["h5/powersgd", "savedmodel/sgp", "h5/onebit_adamw", "h5/topk_adamw"],
                "keras3": ["keras/powersgd", "keras/sgp", "keras/onebit_adamw"]}
 #: SGP over MPI point to point (an MPI launch, Keras 3): the mass in flight when saved is in the files.
 CHECKPOINTS["keras3_mpi"], MODEL_FILES["keras3_mpi"] = ["checkpoint/sgp_mpi"], ["keras/sgp_mpi"]

@@ -127,9 +127,10 @@ SMALL_MODEL = {"topk": dict(ratio=0.05), "randomk": dict(ratio=0.1), "powersgd":
                "fetchsgd": dict(ratio=3)}
 
 
-#: Test methods that train 1-bit AdamW (hvd_compress/adam.py): the worker's SGD replaced by AdamW, with the
-#: named compression and a full-precision warm-up of ADAMW_WARMUP steps.
-ADAMW_METHODS = {"onebit_adamw": "onebit"}
+#: Test methods that train under AdamW (hvd_compress/adam.py): the worker's SGD replaced by AdamW, with the
+#: named compression and a full-precision warm-up of ADAMW_WARMUP steps (onebit: 1-bit AdamW; top-k: AdamW with its
+#: variance frozen after the warm-up).
+ADAMW_METHODS = {"onebit_adamw": "onebit", "topk_adamw": "topk"}
 ADAMW_WARMUP, ADAMW_LEARNING_RATE = 4, 0.002
 
 

@@ -21,7 +21,7 @@ import digits
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. Formats: checkpoint, weights, "
                   "savedmodel, h5 (tf_keras), keras (Keras 3); compressions: onebit, topk, randomk, sketch, "
-                  "powersgd, onebit_adamw (1-bit AdamW), sgp (PushSumOptimizer) or sgp_mpi (over MPI: an MPI "
+                  "powersgd, onebit_adamw (1-bit AdamW), topk_adamw (top-k under AdamW), sgp (PushSumOptimizer) or sgp_mpi (over MPI: an MPI "
                   "launch).")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
@@ -43,7 +43,7 @@ def new_model_and_optimizer(keras, method):
     chosen = None if is_gossip(method) else compression(method)
     if is_gossip(method):
         opt = pushsum(sgd, method)
-    else:  # (onebit_adamw: 1-bit AdamW, compressed from step _worker.ADAMW_WARMUP on)
+    else:  # (onebit_adamw, topk_adamw: AdamW, compressed from step _worker.ADAMW_WARMUP on)
         opt = distributed_optimizer(sgd, method, chosen=chosen)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, opt, chosen

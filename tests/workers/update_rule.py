@@ -133,11 +133,17 @@ def run_adam(compression, process_set, weight_decay, amsgrad=False, warmup_steps
     assert all(np.array_equal(a, b) for a, b in zip(after_first, unused_state()))
 
 
-def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, **shape):
+def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, topk=None, **shape):
     """1-bit Adam in NumPy on one variable (0: w, compressed; 1: b, dense: Keras's Adam throughout); shape:
-    block_size, two_way, amsgrad."""
+    block_size, two_way, amsgrad. topk: a Compression.topk, whose error feedback on gradients makes it Adam with a
+    frozen variance instead."""
     d = grads_of(0, 0)[variable].size
-    model = ref.OneBitAdam(d, size, warmup_steps if variable == 0 else FLAGS.steps, weight_decay=weight_decay, **shape)
+    warmup_steps = warmup_steps if variable == 0 else FLAGS.steps
+    if topk is not None:
+        model = ref.FrozenVarianceAdam(d, size, warmup_steps, weight_decay=weight_decay,
+                                       exchange=ref.TopKExchange(d, size, topk.num_selected(d)), **shape)
+    else:
+        model = ref.OneBitAdam(d, size, warmup_steps, weight_decay=weight_decay, **shape)
     x = np.zeros(d, np.float32)
     for t in range(FLAGS.steps):
         model.step(x, [grads_of(r, t)[variable].reshape(-1) for r in range(size)],
@@ -146,14 +152,18 @@ def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, **shape)
 
 
 def check_adam(process_set, digests):
-    """1-bit Adam (Adam and AdamW; onebit two-way, and one-way in blocks) over WARMUP full-precision steps
-    and the compressed ones after, against the NumPy reference bit for bit."""
+    """1-bit Adam (Adam and AdamW; onebit two-way, and one-way in blocks), and top-k's Adam with a frozen variance,
+    over WARMUP full-precision steps and the compressed ones after, against the NumPy reference bit for bit."""
     size = process_set.size()
     cases = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0, False, dict()),
              "1-bit AdamW one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), 0.05, False,
                                             dict(block_size=64, two_way=False)),
              "1-bit AdamW two-way blocks amsgrad": (hc.Compression.onebit(block_size=64), 0.05, True,
-                                                    dict(block_size=64, amsgrad=True))}
+                                                    dict(block_size=64, amsgrad=True)),
+             "top-k AdamW frozen variance": (hc.Compression.topk(ratio=0.05), 0.05, False,
+                                             dict(topk=hc.Compression.topk(ratio=0.05))),
+             "top-k Adam amsgrad frozen variance": (hc.Compression.topk(ratio=0.05), 0.0, True,
+                                                    dict(topk=hc.Compression.topk(ratio=0.05), amsgrad=True))}
     for name, (compression, weight_decay, amsgrad, shape) in cases.items():
         w, b = run_adam(compression, process_set, weight_decay, amsgrad)
         np.testing.assert_array_equal(w, reference_adam(size, weight_decay, 0, **shape), err_msg=f"n={size} {name}")
