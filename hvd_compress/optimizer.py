@@ -347,8 +347,9 @@ def warn_measured_losses_under_adam(optimizer, compression):
     note = getattr(compression, "under_adam", None)
     if note and isinstance(optimizer, adam_classes()) and not (hvd.is_initialized() and hvd.rank() != 0):
         log.warning("hvd_compress: under %s, %s. Compression.onebit() (1-bit Adam) and Compression.quantize(bits=8) "
-                    "kept AdamW's accuracy there; else give a larger ratio or rank and warmup_steps= "
-                    "(docs/algorithms.md, 'Which compression under which optimizer').", type(optimizer).__name__, note)
+                    "kept AdamW's accuracy there; else give a larger ratio or rank and warmup_steps= (Adam's variance is "
+                    "then frozen after the warm-up; docs/algorithms.md, 'Which compression under which optimizer').",
+                    type(optimizer).__name__, note)
 
 
 def refuse_sparse_updates_to_factored_moments(optimizer, compression):

@@ -276,3 +276,41 @@ def test_compressions_measured_to_lose_accuracy_under_adam_say_so_when_they_wrap
             with caplog.at_level("WARNING", logger="hvd_compress"):
                 hc.DistributedOptimizer(optimizer, compression=compression)
             assert caplog.text == "", (compression, optimizer)
+
+
+@pytest.mark.parametrize("compression", [hc.Compression.onebit(), hc.Compression.topk(ratio=0.1)],
+                         ids=["1-bit Adam", "frozen variance"])
+def test_adam_rules_that_average_refuse_a_sum(compression):
+    """1-bit Adam and Adam with a frozen variance (error feedback with a warm-up) move Adam's momentum by an average:
+    op=hvd.Sum is refused at the first step, before any collective, naming the fix."""
+    w = tf.Variable(tf.ones([3000]))
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(0.01), compression=compression, op=hvd.Sum, warmup_steps=2)
+    with pytest.raises(ValueError, match="op=hvd.Average"):
+        opt.apply_gradients([(tf.ones([3000]), w)])
+    assert np.all(w.numpy() == 1.0)
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 2])
+def test_error_feedback_under_adam_freezes_the_variance_after_a_warm_up(warmup_steps):
+    """top-k under AdamW: with a warm-up, Adam's variance stops at the warm-up's last step and its momentum goes on
+    (hvd_compress applies the step); without one, Keras's AdamW applies the exchanged mean and v follows it."""
+    from hvd_compress.adam import FrozenVarianceAdam
+    from hvd_compress.keras_compat import adam_slots
+    w = tf.Variable(tf.zeros([3000]))
+    adamw = keras.optimizers.AdamW(0.01, weight_decay=0.01)
+    opt = hc.DistributedOptimizer(adamw, compression=hc.Compression.topk(ratio=0.1), warmup_steps=warmup_steps)
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(5):
+        opt.apply_gradients([(tf.constant(rng.standard_normal(3000).astype(np.float32)), w)])
+        m, v, _ = adam_slots(adamw, w)
+        seen.append((m.numpy().copy(), v.numpy().copy()))
+    exchange = opt.compression_exchange
+    if warmup_steps:
+        assert isinstance(exchange.adam, FrozenVarianceAdam) and exchange.direct_update
+        assert all(np.array_equal(v, seen[warmup_steps - 1][1]) for _, v in seen[warmup_steps:])
+    else:
+        assert exchange.adam is None
+        assert not np.array_equal(seen[-1][1], seen[-2][1])
+    assert all(not np.array_equal(a[0], b[0]) for a, b in zip(seen, seen[1:]))  # m moves every step
+    assert int(opt.iterations) == 5
