@@ -104,19 +104,22 @@ class FrozenVarianceAdam:
                         m.dtype)
 
         def adam():
-            m.assign_add((mean - m) * (1.0 - self.beta_1))
             v.assign_add((tf.square(mean) - v) * (1.0 - self.beta_2))
             if v_hat is not None:
                 v_hat.assign(tf.maximum(v_hat, v))
-            return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
+            return self.momentum_step(slot, mean, alpha)
 
         return tf.cond(self.warm(step), adam, lambda: self.compressed_step(slot, mean, alpha))
 
-    def compressed_step(self, slot, mean, alpha):
-        """After the warm-up: m follows the exchanged mean gradient, v stays."""
+    def momentum_step(self, slot, mean, alpha):
+        """Adam's momentum follows the mean gradient; the step is alpha m / d (d from v as it stands)."""
         m = self.slots[slot][0]
         m.assign_add((mean - m) * (1.0 - self.beta_1))
         return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
+
+    def compressed_step(self, slot, mean, alpha):
+        """After the warm-up: m follows the exchanged mean gradient, v stays."""
+        return self.momentum_step(slot, mean, alpha)
 
 
 class AdamMomentumInFront(FrozenVarianceAdam):

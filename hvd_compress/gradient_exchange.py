@@ -208,10 +208,10 @@ class GradientExchange(tf.Module):
     def _refuse_unsupported(self, rule, sgd, one_bit_adam, frozen_variance):
         """At build, before any collective: combinations whose result would be wrong."""
         if (one_bit_adam or frozen_variance) and self.op != hvd.Average:
-            rule = ("exchanges Adam's momentum (1-bit Adam)" if one_bit_adam else
+            what = ("exchanges Adam's momentum (1-bit Adam)" if one_bit_adam else
                     f"with warmup_steps={self.warmup_steps} moves Adam's momentum by the averaged gradient and freezes "
                     "its variance after the warm-up")
-            raise ValueError(f"{self.compression!r} under Adam {rule}, which needs an average: use op=hvd.Average"
+            raise ValueError(f"{self.compression!r} under Adam {what}, which needs an average: use op=hvd.Average"
                              f"{'' if one_bit_adam else ' (or warmup_steps=0)'}.")
         if one_bit_adam and not self.warmup_steps:
             raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "

@@ -215,8 +215,8 @@ class TopKExchange:
         total = np.zeros_like(self.e[0])
         for i, g in enumerate(values):
             a = g + self.e[i]
-            values, indices = top_k_abs(a, self.k)
-            sent = scatter_dense(indices, values, a.size)
+            kept, indices = top_k_abs(a, self.k)
+            sent = scatter_dense(indices, kept, a.size)
             self.e[i] = a - sent
             total += sent
         return total / np.float32(self.n)
