@@ -30,8 +30,9 @@ flags.DEFINE_integer("ranks", 2, "Ranks.")
 flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3).")
 flags.DEFINE_integer("seed", 0, "Seed of every run (digits).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer).")
-flags.DEFINE_list("transformer_methods", ["none", "onebit", "onebit_oneway_b256", "topk", "powersgd", "topk_10pct",
-                                          "powersgd_rank16", "randomk_10pct"],
+flags.DEFINE_list("transformer_methods", ["none", "onebit", "onebit_oneway_b256", "onebit_oneway_b256_wu10",
+                                          "onebit_oneway_b256_wu6", "topk", "powersgd", "topk_10pct", "powersgd_rank16",
+                                          "randomk_10pct"],
                   "Methods of the transformer task: names of hc.methods that examples/keras_transformer.py takes, "
                   "or of TRANSFORMER_VARIANTS.")
 flags.DEFINE_list("methods", ["none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4", "topk", "randomk",
@@ -49,6 +50,10 @@ OTHER_RUNS = {"accordion": ("keras_accordion.py", ["--mode=accordion", "--family
 #: the transformer task's runs of a method at other settings than hc.methods' defaults: name -> the example's flags
 #: (the settings that keep AdamW's accuracy, which the compressors' under_adam notes cite)
 TRANSFORMER_VARIANTS = {"onebit_oneway_b256": ["--method=onebit_oneway", "--block_size=256"],
+                        "onebit_oneway_b256_wu10": ["--method=onebit_oneway", "--block_size=256",
+                                                    "--compression_warmup=0.1"],
+                        "onebit_oneway_b256_wu6": ["--method=onebit_oneway", "--block_size=256",
+                                                   "--compression_warmup=0.06"],
                         "topk_10pct": ["--method=topk", "--topk_ratio=0.1"],
                         "powersgd_rank16": ["--method=powersgd", "--powersgd_rank=16"],
                         "randomk_10pct": ["--method=randomk", "--topk_ratio=0.1"]}
@@ -100,17 +105,22 @@ def render_transformer(runs):
             f"ranks, {first['steps']} steps, {first['policy']}, AdamW with a warm-up into a cosine decay and "
             f"global-norm clipping; the compressed methods start after 15% of the steps at full precision (onebit: "
             f"1-bit Adam; the others: error feedback on gradients, Adam's variance frozen after the warm-up); "
-            f"onebit_oneway_b256 is 1-bit Adam one-way with a scale per 256 elements; topk, randomk and powersgd at "
+            f"onebit_oneway_b256 is 1-bit Adam one-way with a scale per 256 elements, and _wu10 and _wu6 the same with "
+            f"10% (as long as the learning rate's warm-up) and 6% of the steps at full precision; topk, randomk and powersgd at "
             f"hc.methods' defaults (1% of the coordinates, rank 4), "
             f"topk_10pct, randomk_10pct and powersgd_rank16 at 10% and rank 16. Accuracy: next-character accuracy on "
-            f"65,000 held-out characters; bytes: one worker's per compressed step.")
+            f"65,000 held-out characters; bytes: what one worker sends per step after the full-precision steps, and "
+            f"over the whole run with them.")
     rows = [[method, f"{mean[method]:.4f}", ", ".join(f"{r['test_accuracy']:.4f}" for r in seeds),
              f"{100 * (mean[method] - mean[BASELINE]):+.2f}" if baseline else "-",
              results.count(seeds[0]["bytes_per_step"]),
-             f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-"]
+             f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-",
+             f"{seeds[0]['bytes_per_run'] / 1e6:,.1f}",
+             f"{baseline[0]['bytes_per_run'] / seeds[0]['bytes_per_run']:.1f}x" if baseline else "-"]
             for method, seeds in runs.items()]
-    table = results.markdown_table(["method", "mean test accuracy", "per seed", "points vs none", "bytes/step/worker",
-                                    "none bytes / method bytes"], rows)
+    table = results.markdown_table(["method", "mean test accuracy", "per seed", "points vs none",
+                                    "bytes/compressed step/worker", "none / method, compressed step",
+                                    "MB per run/worker", "none / method, run"], rows)
     return f"{note}\n\n{table}"
 
 

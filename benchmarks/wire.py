@@ -68,7 +68,7 @@ exchange), onebit (two-way), onebit_oneway, quantize8, quantize4, topk,
 randomk, sketch (ratio 4), fetchsgd (ratio 4) and powersgd are
 hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
 (VARIANTS, ACCORDION): topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
-of the coordinates); accordion_critical and accordion_calm are Accordion's
+of the coordinates); onebit_oneway_b256 (onebit one-way with a scale per 256 elements); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
 (rank 1) regime, the regime detector's accumulation included. hier_<name> (HIERARCHICAL): <name> with
 hierarchical=True, averaged inside each host and compressed across hosts; hier_none is Horovod's
@@ -100,6 +100,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 VARIANTS = {
     # Top-k at the sketches' bytes on 2 ranks: 1/8 of the coordinates, values and indices, is d/4 floats.
     "topk_4x": ("topk", dict(ratio=1 / 8)),
+    # 1-bit Adam's setting that kept AdamW's accuracy on the transformer (2 ranks): one-way, a scale per 256 elements.
+    "onebit_oneway_b256": ("onebit", dict(two_way=False, block_size=256)),
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")

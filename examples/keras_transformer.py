@@ -81,6 +81,20 @@ class Evaluate(tf.keras.callbacks.Callback):
                 print(f"step {self.step}: test accuracy {accuracy:.4f}", flush=True)
 
 
+class BytesSent(tf.keras.callbacks.Callback):
+    """The bytes one worker sends over the run: every step's exchange's, full-precision steps included."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer, self.total = optimizer, 0.0
+
+    def on_train_begin(self, logs=None):
+        self.optimizer.build(self.model.trainable_variables)  # the exchange's plan, before its first step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.total += float(self.optimizer.compression_exchange.bytes_sent)  # what the coming step sends
+
+
 def main(_):
     keras = hc.require_legacy_keras()
     hvd.init()
@@ -95,16 +109,19 @@ def main(_):
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     evaluate = Evaluate(x_test, y_test, max(1, steps_per_epoch // FLAGS.evaluations_per_epoch))
+    horovod = FLAGS.method.startswith("horovod_")
+    counted = [] if horovod else [BytesSent(optimizer)]
     model.fit(x[mine], y[mine], batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=True, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), evaluate])
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), evaluate, *counted])
     _, accuracy = model.evaluate(x_test, y_test, verbose=0, batch_size=256)
-    if FLAGS.method.startswith("horovod_"):  # Horovod's ring allreduce of every gradient in 16 or 32 bits
+    if horovod:  # Horovod's ring allreduce of every gradient in 16 or 32 bits
         sent = allreduce_bytes((2 if FLAGS.method == "horovod_fp16" else 4) * model.count_params(), hvd.size())
     else:
         sent = optimizer.compression_exchange.bytes_sent  # after the warm-up: the compressed exchange's
     result = dict(method=FLAGS.method, policy=FLAGS.policy, ranks=hvd.size(), seed=FLAGS.seed,
                   test_accuracy=float(accuracy), bytes_per_step=float(sent), parameters=int(model.count_params()),
-                  steps=FLAGS.epochs * steps_per_epoch, accuracies=evaluate.accuracies)
+                  steps=FLAGS.epochs * steps_per_epoch, accuracies=evaluate.accuracies,
+                  bytes_per_run=float(sent) * FLAGS.epochs * steps_per_epoch if horovod else counted[0].total)
     if hvd.rank() == 0:
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
                        if k != "accuracies"))
