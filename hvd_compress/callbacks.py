@@ -1,5 +1,5 @@
 """Keras callbacks for either Keras (Keras 3 or tf_keras): compression metrics in the logs (and
-so in TensorBoard), Accordion's adaptive compression and batch size, and the two Horovod
+so in TensorBoard), Accordion's adaptive compression and batch size, SGP's consensus, and the two Horovod
 callbacks that Horovod's Keras layer cannot run under Keras 3 (broadcasting the initial state,
 averaging metrics).
 
@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_keras
 
 import horovod.tensorflow as hvd
-from hvd_compress import accordion
+from hvd_compress import accordion, gossip
 from hvd_compress.keras_compat import WrapperCore, is_distributed, sgd_classes
 
 
@@ -127,6 +127,49 @@ class MetricAverageCallback(_DistributedTrainingCallback):
             if np.ndim(logs[key]) == 0 and np.issubdtype(np.asarray(logs[key]).dtype, np.number):
                 logs[key] = float(hvd.allreduce(tf.constant(float(logs[key]), tf.float64), op=hvd.Average,
                                                 process_set=self.process_set, name=f"hc.metric.{key}"))
+
+
+class Consensus(tf_keras.callbacks.Callback):
+    """For SGP (hvd_compress.PushSumOptimizer), whose ranks hold different models while they train: once every
+    rank has finished its own steps, every rank's model becomes the exact average of all ranks' models
+    (gossip.consensus: the messages still in flight are taken in first, then one allreduce).
+
+    - At the end of model.fit, always: the model that is evaluated and saved afterwards is the average.
+    - With every_epoch=True, at the end of every epoch too, before fit's validation: the validation metrics and
+      the callbacks after this one in the list (ModelCheckpoint, EarlyStopping, ReduceLROnPlateau, a rank-0
+      save) see the average model. Training goes on from it (an average is a valid PushSum state).
+
+    A collective: every rank runs it at the same points, as every rank runs the same epochs."""
+
+    def __init__(self, every_epoch=False, process_set=hvd.global_process_set):
+        super().__init__()
+        self.every_epoch, self.process_set = bool(every_epoch), process_set
+        self.stepped = False  # a training step ran since the last average
+
+    def on_train_begin(self, logs=None):
+        if getattr(hc_optimizer(self.model), "pushsum", None) is None:
+            raise ValueError(f"hvd_compress.callbacks.Consensus averages the ranks of SGP, and this model's optimizer "
+                             f"is a {type(hc_optimizer(self.model)).__name__}, whose ranks agree after every step "
+                             "already. Drop the callback, or compile with hvd_compress.PushSumOptimizer(optimizer).")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.stepped = True
+
+    def on_test_begin(self, logs=None):  # fit's validation runs after the epoch's steps, before on_epoch_end
+        if self.every_epoch:
+            self._average()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.every_epoch:
+            self._average()
+
+    def on_train_end(self, logs=None):
+        self._average()
+
+    def _average(self):
+        if self.stepped:
+            gossip.consensus(self.model, self.process_set)
+            self.stepped = False
 
 
 class CompressionMetrics(tf_keras.callbacks.Callback):

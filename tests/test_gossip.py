@@ -4,7 +4,7 @@ import re
 import numpy as np
 import pytest
 
-from hvdrun import DIGITS_EPOCHS, check_sgp_next_to_allreduce, run_failing, run_ranks
+from hvdrun import DIGITS_EPOCHS, KERASES, check_sgp_next_to_allreduce, run_failing, run_ranks
 
 #: Cases (tests/workers/gossip_consensus.py) with an exact average every 4th step, at 3 ranks.
 AVERAGE_EVERY_4 = ["ring+every4", "ring+every4+overlap"]
@@ -81,3 +81,24 @@ def test_a_rank_that_dies_or_hangs_mid_gossip_ends_the_job_with_an_error(fail):
         assert re.search(r"Exit code:\s+3", output), output[-3000:]  # mpirun names the rank that left
     else:  # the peers time out, then abort the job (MPI_Finalize would wait for the hung rank)
         assert "did not arrive within 10 s" in output and "MPI_ABORT was invoked" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
+def test_consensus_callback_averages_the_ranks_at_fit_end_and_before_each_validation(keras):
+    """model.fit under an MPI launch at 3 ranks: SGP over point-to-point gossip with overlap, validation data,
+    hc.callbacks.Consensus, then what users put after it (a rank-0 ModelCheckpoint, EarlyStopping)."""
+    ranks = [r["results"] for r in run_ranks("sgp_fit.py", np=3, launcher="mpi", timeout=300, env=KERASES[keras])]
+    for case in ("final", "every_epoch"):
+        per_rank = [r[case] for r in ranks]
+        assert len({r["after_fit"] for r in per_rank}) == 1, case  # one model after fit
+        epochs = len(per_rank[0]["at_epoch_end"])
+        for epoch in range(epochs):
+            validated = {r["at_validation"][epoch] for r in per_rank}
+            ended = {r["at_epoch_end"][epoch] for r in per_rank}
+            losses = {r["val_loss"][epoch] for r in per_rank}
+            if case == "every_epoch":  # validation, and every callback after Consensus, see the average
+                assert len(validated) == len(ended) == len(losses) == 1, (case, epoch)
+            else:  # each rank validates its own model
+                assert len(validated) == len(ended) == 3, (case, epoch)
+    assert all(r["every_epoch"]["saved_is_final"] for r in ranks)  # rank 0's file holds the average
+    assert ranks[0]["every_epoch"]["val_loss"][-1] < ranks[0]["every_epoch"]["val_loss"][0]  # it trains

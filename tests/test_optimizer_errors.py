@@ -314,3 +314,11 @@ def test_error_feedback_under_adam_freezes_the_variance_after_a_warm_up(warmup_s
         assert not np.array_equal(seen[-1][1], seen[-2][1])
     assert all(not np.array_equal(a[0], b[0]) for a, b in zip(seen, seen[1:]))  # m moves every step
     assert int(opt.iterations) == 5
+
+
+def test_the_consensus_callback_is_refused_where_ranks_agree_already():
+    """hc.callbacks.Consensus averages SGP's ranks; under a DistributedOptimizer it says so before the first step."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=hc.DistributedOptimizer(sgd()), loss="mse")
+    with pytest.raises(ValueError, match="PushSumOptimizer"):
+        model.fit(np.zeros((8, 4)), np.zeros((8, 2)), epochs=1, verbose=0, callbacks=[hc.callbacks.Consensus()])
