@@ -93,7 +93,8 @@ def mixing_matrix(graph, size, step):
 class PushSum:
     """The gossip step for a fixed list of variables; state through the given factory."""
 
-    def __init__(self, graph, overlap, average_every, process_set, name="hc.pushsum", transport="alltoall"):
+    def __init__(self, graph, overlap, average_every, process_set, name="hc.pushsum", transport="alltoall",
+                 max_drift=None):
         if graph not in GRAPHS:
             raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}.")
         if transport not in TRANSPORTS:
@@ -109,7 +110,11 @@ class PushSum:
                                           not isinstance(average_every, int) or average_every < 0):
             raise ValueError(f"average_every must be None, 0 (never) or a positive number of steps, "
                              f"got {average_every!r}.")
+        if max_drift is not None and (isinstance(max_drift, bool) or not isinstance(max_drift, int) or max_drift < 1):
+            raise ValueError(f"max_drift must be None (no bound but the graph's) or a number of steps >= 1, "
+                             f"got {max_drift!r}.")
         self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
+        self.max_drift = max_drift
         self.process_set, self.name, self.transport = process_set, name, transport
         self.mailbox = None  # transport="mpi": this process's p2p.Mailbox, from the first plan on
         self.agreement = state.RanksAgreement()  # due at the first step of each plan
@@ -135,7 +140,7 @@ class PushSum:
         if self.size < 2:
             raise ValueError("PushSumOptimizer needs at least 2 ranks.")
         if self.transport == "mpi" and self.mailbox is None:
-            self.mailbox = p2p.Mailbox()
+            self.mailbox = p2p.Mailbox(self.max_drift)
         self.rank_state = RankLocalState(self.rank, self.size)
         self.weight = self.rank_state.add(StateSpec("pushsum_weight/all", (), PER_RANK, initializer=tf.ones))
         d = sum(self.sizes) + 1
@@ -147,7 +152,7 @@ class PushSum:
         self.bytes_sent = 4 * d * peers
         state.track(self.holder, self.rank_state)  # a pending checkpoint restore happens here
         settings = (f"PushSum(graph={self.graph}, overlap={self.overlap}, average_every={self.average_every}, "
-                    f"transport={self.transport}) "
+                    f"transport={self.transport}, max_drift={self.max_drift}) "
                     f"variables={[tuple(s) for s in self.shapes]}")
         self.agreement.plan(settings, self.rank_state, self.process_set, self.name, previous)
         self.world = (hvd.rank(), self.size)
@@ -255,6 +260,7 @@ class _PushSumOptimizerMixin(WrapperCore):
         """PushSumOptimizer's keyword arguments as JSON data (for model files)."""
         return dict(graph=self._hc_pushsum.graph, overlap=self._hc_pushsum.overlap,
                     average_every=self._hc_pushsum.average_every or None, transport=self._hc_pushsum.transport,
+                    max_drift=self._hc_pushsum.max_drift,
                     process_set_ranks=saved_process_set(self._hc_pushsum.process_set))
 
     @staticmethod
@@ -307,7 +313,7 @@ register_loader(_PushSumOptimizerMixin)
 
 
 def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_every=None,
-                     process_set=hvd.global_process_set, transport="alltoall"):
+                     process_set=hvd.global_process_set, transport="alltoall", max_drift=None):
     """Wraps a Keras optimizer (Keras 3 or tf_keras) for Stochastic Gradient Push (see the module
     docstring).
 
@@ -316,11 +322,13 @@ def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_ever
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
     transport="mpi" sends point-to-point over MPI (launch with horovodrun --mpi or
     mpirun; needs mpi4py): a rank waits only for its in-peers, and with overlap=True
-    the messages travel while the next step computes.
+    the messages travel while the next step computes; max_drift=D then completes a rank's step t only once
+    every rank has reached step t - D (without it, only the graph holds a fast rank back: each step waits for
+    that step's in-peers). Over alltoall the ranks run in lockstep.
     """
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
     refuse_wrapped(optimizer)
-    pushsum = PushSum(graph, overlap, average_every, process_set, transport=transport)
+    pushsum = PushSum(graph, overlap, average_every, process_set, transport=transport, max_drift=max_drift)
     wrapped = wrap_in_place(optimizer, _PushSumOptimizerMixin)  # the user's instance, all it holds kept
     wrapped._hc_init(pushsum)
     return wrapped

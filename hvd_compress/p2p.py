@@ -57,8 +57,12 @@ class Mailbox:
     communication thread and returns at once; `collect(step)` waits for them and returns the sum of what the
     senders sent. Messages of several steps may be in flight at once; each is collected once, in any order."""
 
-    def __init__(self):
+    def __init__(self, max_drift=None):
+        """max_drift: None, or D >= 1: a rank's step t completes only once every rank has posted its step t - D (an
+        MPI_Ibarrier per step, on the communication thread), so no rank runs more than about D steps ahead of the
+        slowest."""
         MPI = mpi_world()
+        self.max_drift = max_drift
         self.MPI, self.comm = MPI, MPI.COMM_WORLD.Dup()
         self.rank = self.comm.Get_rank()
         self.jobs, self.pending, self.failure = queue.Queue(), {}, None
@@ -120,17 +124,22 @@ class Mailbox:
         this rank does not wait for: it holds the payload until then, and MPI moves it while this thread waits on
         later receives."""
         MPI, sending = self.MPI, []
+        reached = {}  # max_drift: step -> its Ibarrier, which completes once every rank has posted that step
         while True:
             job = self.jobs.get()
             if job is None:  # close(); MPI is finalised already after the user's own hvd.shutdown()
                 if not MPI.Is_finalized():
-                    self._wait([request for request, _ in sending] + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
+                    self._wait([request for request, _ in sending] + list(reached.values()) + [self.comm.Ibarrier()],
+                               CLOSE_TIMEOUT_SECONDS)
                 return
             step, payload, to, senders, inbox, done = job
             try:
                 tag = step % TAGS
                 receives = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
                 sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
+                if self.max_drift:  # every rank posts every step, in order: the barriers pair up
+                    reached[step] = self.comm.Ibarrier()
+                    receives += [reached.pop(s) for s in sorted(reached) if s <= step - self.max_drift]
                 self._wait(receives)
                 sending = [(request, held) for request, held in sending if not request.Test()]
             except Exception as e:  # reported by collect

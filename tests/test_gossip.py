@@ -83,6 +83,23 @@ def test_a_rank_that_dies_or_hangs_mid_gossip_ends_the_job_with_an_error(fail):
         assert "did not arrive within 10 s" in output and "MPI_ABORT was invoked" in output, output[-3000:]
 
 
+def test_max_drift_bounds_how_far_ranks_run_ahead_of_a_straggler():
+    """7 ranks on a ring over MPI with overlap, rank 1 sleeping 0.1 s before every step: the graph alone lets a rank
+    run further ahead the more hops it is from the straggler; max_drift=1 holds every rank within 1 + 2 steps of it
+    (its step t completes once every rank posted t - 1, and with overlap it collects t - 1 in step t), and changes
+    no bit."""
+    ranks = [r["results"] for r in run_ranks("gossip_drift.py", "--cases=none,1", np=7, launcher="mpi", timeout=300)]
+
+    def lead(case):  # the most steps any rank had ended beyond the straggler's at any of its own step ends
+        ended = [np.array(r[case]["ended"]) for r in ranks]
+        return max(int(np.sum(mine <= t) - np.sum(ended[1] <= t)) for mine in ended for t in mine)
+
+    assert lead("1") <= 1 + 2, lead("1")
+    assert lead("none") > 1 + 2, lead("none")  # (else this setting would not show the bound)
+    for r in ranks:
+        assert r["none"]["digest"] == r["1"]["digest"]
+
+
 @pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
 def test_consensus_callback_averages_the_ranks_at_fit_end_and_before_each_validation(keras):
     """model.fit under an MPI launch at 3 ranks: SGP over point-to-point gossip with overlap, validation data,

@@ -322,3 +322,9 @@ def test_the_consensus_callback_is_refused_where_ranks_agree_already():
     model.compile(optimizer=hc.DistributedOptimizer(sgd()), loss="mse")
     with pytest.raises(ValueError, match="PushSumOptimizer"):
         model.fit(np.zeros((8, 4)), np.zeros((8, 2)), epochs=1, verbose=0, callbacks=[hc.callbacks.Consensus()])
+
+
+@pytest.mark.parametrize("max_drift", [0, -1, 1.5, True])
+def test_a_drift_bound_that_is_not_a_number_of_steps_is_refused(max_drift):
+    with pytest.raises(ValueError, match="max_drift"):
+        hc.PushSumOptimizer(sgd(), max_drift=max_drift)
