@@ -115,8 +115,9 @@ def render_transformer(runs):
              f"{100 * (mean[method] - mean[BASELINE]):+.2f}" if baseline else "-",
              results.count(seeds[0]["bytes_per_step"]),
              f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-",
-             f"{seeds[0]['bytes_per_run'] / 1e6:,.1f}",
-             f"{baseline[0]['bytes_per_run'] / seeds[0]['bytes_per_run']:.1f}x" if baseline else "-"]
+             f"{seeds[0]['bytes_per_run'] / 1e6:,.1f}" if "bytes_per_run" in seeds[0] else "-",
+             f"{baseline[0]['bytes_per_run'] / seeds[0]['bytes_per_run']:.1f}x"
+             if baseline and "bytes_per_run" in seeds[0] else "-"]
             for method, seeds in runs.items()]
     table = results.markdown_table(["method", "mean test accuracy", "per seed", "points vs none",
                                     "bytes/compressed step/worker", "none / method, compressed step",

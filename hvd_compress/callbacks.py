@@ -138,6 +138,8 @@ class Consensus(tf_keras.callbacks.Callback):
     - With every_epoch=True, at the end of every epoch too, before fit's validation: the validation metrics and
       the callbacks after this one in the list (ModelCheckpoint, EarlyStopping, ReduceLROnPlateau, a rank-0
       save) see the average model. Training goes on from it (an average is a valid PushSum state).
+      Without it, callbacks that decide from validation metrics (EarlyStopping, ReduceLROnPlateau) decide
+      from each rank's own model, and may stop the ranks at different epochs.
 
     A collective: every rank runs it at the same points, as every rank runs the same epochs."""
 
@@ -147,10 +149,11 @@ class Consensus(tf_keras.callbacks.Callback):
         self.stepped = False  # a training step ran since the last average
 
     def on_train_begin(self, logs=None):
-        if getattr(hc_optimizer(self.model), "pushsum", None) is None:
+        optimizer = hc_optimizer(self.model)
+        if getattr(optimizer, "pushsum", None) is None:
             raise ValueError(f"hvd_compress.callbacks.Consensus averages the ranks of SGP, and this model's optimizer "
-                             f"is a {type(hc_optimizer(self.model)).__name__}, whose ranks agree after every step "
-                             "already. Drop the callback, or compile with hvd_compress.PushSumOptimizer(optimizer).")
+                             f"is a {type(optimizer).__name__}, whose ranks agree after every step already. Drop the "
+                             "callback, or compile with hvd_compress.PushSumOptimizer(optimizer).")
 
     def on_train_batch_end(self, batch, logs=None):
         self.stepped = True

@@ -113,6 +113,9 @@ class PushSum:
         if max_drift is not None and (isinstance(max_drift, bool) or not isinstance(max_drift, int) or max_drift < 1):
             raise ValueError(f"max_drift must be None (no bound but the graph's) or a number of steps >= 1, "
                              f"got {max_drift!r}.")
+        if max_drift is not None and transport != "mpi":
+            raise ValueError(f"max_drift bounds point-to-point gossip (transport='mpi'); over {transport!r} the ranks "
+                             "run in lockstep already: leave max_drift=None.")
         self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
         self.max_drift = max_drift
         self.process_set, self.name, self.transport = process_set, name, transport
@@ -322,9 +325,9 @@ def PushSumOptimizer(optimizer, graph="exponential", overlap=False, average_ever
     average model, and BroadcastGlobalVariablesCallback(0) so all ranks start alike.
     transport="mpi" sends point-to-point over MPI (launch with horovodrun --mpi or
     mpirun; needs mpi4py): a rank waits only for its in-peers, and with overlap=True
-    the messages travel while the next step computes; max_drift=D then completes a rank's step t only once
-    every rank has reached step t - D (without it, only the graph holds a fast rank back: each step waits for
-    that step's in-peers). Over alltoall the ranks run in lockstep.
+    the messages travel while the next step computes; max_drift=D then keeps every rank within D + 1 steps
+    of the slowest (D + 2 with overlap; docs/algorithms.md, "How far ranks drift apart"). Over alltoall the
+    ranks run in lockstep.
     """
     refuse_loss_scale_optimizer(optimizer, "hvd_compress.PushSumOptimizer")
     refuse_wrapped(optimizer)

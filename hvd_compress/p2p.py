@@ -12,6 +12,7 @@ MPI_THREAD_MULTIPLE, which a second thread calling MPI needs: the job must be la
 (`horovodrun --mpi ...` or `mpirun ...`); under Gloo `Mailbox()` refuses with the launch to use.
 """
 import atexit
+import collections
 import logging
 import queue
 import sys
@@ -58,9 +59,9 @@ class Mailbox:
     senders sent. Messages of several steps may be in flight at once; each is collected once, in any order."""
 
     def __init__(self, max_drift=None):
-        """max_drift: None, or D >= 1: a rank's step t completes only once every rank has posted its step t - D (an
-        MPI_Ibarrier per step, on the communication thread), so no rank runs more than about D steps ahead of the
-        slowest."""
+        """max_drift: None, or D >= 1: the messages of a rank's step t are collected only once every rank has posted
+        its step t - D (an MPI_Ibarrier per step, on the communication thread): docs/algorithms.md, "How far ranks
+        drift apart"."""
         MPI = mpi_world()
         self.max_drift = max_drift
         self.MPI, self.comm = MPI, MPI.COMM_WORLD.Dup()
@@ -124,23 +125,25 @@ class Mailbox:
         this rank does not wait for: it holds the payload until then, and MPI moves it while this thread waits on
         later receives."""
         MPI, sending = self.MPI, []
-        reached = {}  # max_drift: step -> its Ibarrier, which completes once every rank has posted that step
+        reached = collections.deque()  # max_drift: one Ibarrier per posted step, oldest first (every rank posts
+        # the same steps in the same order, so the barriers pair up by count)
         while True:
             job = self.jobs.get()
             if job is None:  # close(); MPI is finalised already after the user's own hvd.shutdown()
                 if not MPI.Is_finalized():
-                    self._wait([request for request, _ in sending] + list(reached.values()) + [self.comm.Ibarrier()],
+                    self._wait([request for request, _ in sending] + list(reached) + [self.comm.Ibarrier()],
                                CLOSE_TIMEOUT_SECONDS)
                 return
             step, payload, to, senders, inbox, done = job
             try:
                 tag = step % TAGS
-                receives = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
+                waits = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
                 sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
-                if self.max_drift:  # every rank posts every step, in order: the barriers pair up
-                    reached[step] = self.comm.Ibarrier()
-                    receives += [reached.pop(s) for s in sorted(reached) if s <= step - self.max_drift]
-                self._wait(receives)
+                if self.max_drift:
+                    reached.append(self.comm.Ibarrier())
+                    while len(reached) > self.max_drift:  # the barrier of the step D posts back
+                        waits.append(reached.popleft())
+                self._wait(waits)
                 sending = [(request, held) for request, held in sending if not request.Test()]
             except Exception as e:  # reported by collect
                 self.failure = e

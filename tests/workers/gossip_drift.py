@@ -14,7 +14,7 @@ from _worker import report
 
 flags.DEFINE_list("cases", ["none", "1"], "max_drift per case: none or a number of steps.")
 flags.DEFINE_integer("steps", 25, "Gossip steps per case.")
-flags.DEFINE_float("sleep_s", 0.1, "How long rank 1 sleeps before each step.")
+flags.DEFINE_float("sleep_s", 0.2, "How long rank 1 sleeps before each step.")
 flags.DEFINE_string("graph", "ring", "The gossip graph.")
 FLAGS = flags.FLAGS
 
