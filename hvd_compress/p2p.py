@@ -53,6 +53,16 @@ def mpi_world():
     return MPI
 
 
+def added(arrays):
+    """The sum of equally shaped arrays, added in order (((a0 + a1) + a2)...: the bits of np.sum(arrays, axis=0),
+    without its copy of them all into one array, which cost 11 ms a step for one 6.4 MB message at 4 ranks here);
+    the array itself when there is one."""
+    total = arrays[0]
+    for array in arrays[1:]:
+        total = total + array
+    return total
+
+
 class Mailbox:
     """This rank's posted messages: `post(step, payload, to, senders)` hands a step's sends and receives to the
     communication thread and returns at once; `collect(step)` waits for them and returns the sum of what the
@@ -80,26 +90,26 @@ class Mailbox:
         payload = np.array(payload, copy=True, order="C")  # MPI reads it after TensorFlow reuses its buffer
         done = threading.Event()
         inbox = [np.empty_like(payload) for _ in senders]
-        self.pending[step] = (done, inbox, list(senders), np.zeros_like(payload))
+        self.pending[step] = (done, inbox, list(senders), payload)
         self.jobs.put((step, payload, list(to), list(senders), inbox, done))
 
     def collect(self, step, timeout=None):
         """The sum of what step `step`'s senders sent (zeros like the payload when there were none), once it all
         arrived."""
-        done, inbox, senders, nothing = self.pending.pop(int(step))
+        done, inbox, senders, payload = self.pending.pop(int(step))
         timeout = COLLECT_TIMEOUT_SECONDS if timeout is None else timeout
         if not done.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: step {step}'s messages from ranks {senders} did not arrive within "
                                f"{timeout:.0f} s (a peer died, hangs, or is more than that far behind).")
         if self.failure is not None:
             raise RuntimeError(f"rank {self.rank}: the communication thread failed") from self.failure
-        return np.sum(inbox, axis=0) if inbox else nothing
+        return added(inbox) if inbox else np.zeros_like(payload)
 
     def collect_pending(self):
         """The sum of what was posted and not yet collected (None where nothing is pending): a step's messages,
         whatever its number (a step that loss scaling skipped posted nothing)."""
         arrived = [self.collect(step) for step in sorted(self.pending)]
-        return np.sum(arrived, axis=0) if arrived else None
+        return added(arrived) if arrived else None
 
     def close(self):
         """Stops the communication thread once this rank's sends are delivered and every rank closed its mailbox

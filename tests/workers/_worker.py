@@ -66,6 +66,15 @@ def report(hvd, **result):
     os.replace(tmp, path)
 
 
+def report_cases(run_case):
+    """A worker's main for tf_keras: every case in --cases run by run_case(keras, case), reported as {case: result}."""
+    import horovod.tensorflow as hvd
+    import hvd_compress as hc
+    keras = hc.require_legacy_keras()
+    hvd.init()
+    report(hvd, results={case: run_case(keras, case) for case in FLAGS.cases})
+
+
 class LoggedLines(logging.Handler):
     """Collects what hvd_compress logs on this rank (attach with `LoggedLines.attach()`)."""
 

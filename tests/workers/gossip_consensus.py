@@ -8,7 +8,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import report_cases
 
 flags.DEFINE_list("cases", ["exponential"], "Cases: graph[+overlap][+every<H>].")
 flags.DEFINE_integer("steps", 40, "Gossip steps per case.")
@@ -35,11 +35,5 @@ def gossip(keras, case):
     return dict(errors=errors, mass=mass)
 
 
-def main(_):
-    keras = hc.require_legacy_keras()
-    hvd.init()
-    report(hvd, results={case: gossip(keras, case) for case in FLAGS.cases})
-
-
 if __name__ == "__main__":
-    app.run(main)
+    app.run(lambda _: report_cases(gossip))

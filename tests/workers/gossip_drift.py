@@ -10,7 +10,7 @@ from absl import app, flags
 
 import horovod.tensorflow as hvd
 import hvd_compress as hc
-from _worker import report
+from _worker import report_cases
 
 flags.DEFINE_list("cases", ["none", "1"], "max_drift per case: none or a number of steps.")
 flags.DEFINE_integer("steps", 25, "Gossip steps per case.")
@@ -38,11 +38,5 @@ def gossip(keras, case):
     return dict(ended=ended, digest=hashlib.sha256(v.numpy().tobytes()).hexdigest())
 
 
-def main(_):
-    keras = hc.require_legacy_keras()
-    hvd.init()
-    report(hvd, results={case: gossip(keras, case) for case in FLAGS.cases})
-
-
 if __name__ == "__main__":
-    app.run(main)
+    app.run(lambda _: report_cases(gossip))
