@@ -190,7 +190,7 @@ class PushSum:
         share = x / float(peers + 1)
         average_now = (tf.equal((step + 1) % self.average_every, 0) if self.average_every else tf.constant(False))
         if self.transport == "mpi":
-            earlier, now = tf.unstack(self._post_and_collect(share, step, average_now))
+            earlier, now = self._post_and_collect(share, step, average_now)
             mixed = share + earlier + now  # in alltoall's order of additions: the same bits
             if self.overlap:
                 self.in_flight.assign(tf.zeros_like(self.in_flight))  # what it held is mixed in now
@@ -206,26 +206,34 @@ class PushSum:
         self._write(variables, mixed)
 
     def _post_and_collect(self, share, step, average_now):
-        """transport="mpi": posts this step's share to its out-peers and returns what is mixed in now, as two rows:
-        what arrived earlier (with overlap: what the in-peers sent the step before, or, after `flush`, the mass left
-        in `in_flight`; zeros without) and what this step's in-peers sent (without overlap, and with it on an
-        averaging step, so that nothing is in flight; zeros otherwise)."""
+        """transport="mpi": posts this step's share to its out-peers and returns what is mixed in now, as two
+        tensors: what arrived earlier (with overlap: what the in-peers sent the step before, or, after `flush`, the
+        mass left in `in_flight`; zeros without) and what this step's in-peers sent (without overlap, and with it on
+        an averaging step, so that nothing is in flight; zeros otherwise)."""
         mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
+        nothing = []  # one array of zeros, made once and only read (TensorFlow may hold it as an output's memory)
+
+        def zeros(like):
+            if not nothing:
+                nothing.append(np.zeros_like(like))
+            return nothing[0]
 
         def run(share, step, held, average_now):
             step = int(step)
             earlier = mailbox.collect_pending()
-            earlier = held if earlier is None else earlier
+            if earlier is None:  # without overlap nothing arrives early; with it, after `flush`, the mass it kept
+                earlier = np.array(held) if self.overlap else zeros(share)  # (a copy: not the variable's memory)
             phase = step % period
             mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
                          in_peers(self.graph, self.rank, self.size, phase))
-            now = np.zeros_like(share) if self.overlap and not average_now else mailbox.collect(step)
-            return np.stack([earlier, now])
+            now = zeros(share) if self.overlap and not average_now else mailbox.collect(step)
+            return earlier, now
 
         held = self.in_flight if self.overlap else tf.zeros_like(share)
-        arrived = tf.numpy_function(run, [share, step, held, average_now], tf.float32, stateful=True,
+        arrived = tf.numpy_function(run, [share, step, held, average_now], [tf.float32, tf.float32], stateful=True,
                                     name=f"{self.name}.p2p")
-        arrived.set_shape([2, *share.shape])
+        for part in arrived:
+            part.set_shape(share.shape)
         return arrived
 
     def flush(self):
