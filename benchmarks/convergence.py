@@ -105,9 +105,9 @@ def render_transformer(runs):
             f"ranks, {first['steps']} steps, {first['policy']}, AdamW with a warm-up into a cosine decay and "
             f"global-norm clipping; the compressed methods start after 15% of the steps at full precision (onebit: "
             f"1-bit Adam; the others: error feedback on gradients, Adam's variance frozen after the warm-up); "
-            f"onebit_oneway_b256 is 1-bit Adam one-way with a scale per 256 elements, and _wu10 and _wu6 the same with "
-            f"10% (as long as the learning rate's warm-up) and 6% of the steps at full precision; topk, randomk and powersgd at "
-            f"hc.methods' defaults (1% of the coordinates, rank 4), "
+            f"onebit_oneway_b256 is 1-bit Adam one-way with a scale per 256 elements, and _wu10 and _wu6 the same "
+            f"with 10% (as long as the learning rate's warm-up) and 6% of the steps at full precision; topk, randomk "
+            f"and powersgd at hc.methods' defaults (1% of the coordinates, rank 4), "
             f"topk_10pct, randomk_10pct and powersgd_rank16 at 10% and rank 16. Accuracy: next-character accuracy on "
             f"65,000 held-out characters; bytes: what one worker sends per step after the full-precision steps, and "
             f"over the whole run with them.")

@@ -68,7 +68,8 @@ exchange), onebit (two-way), onebit_oneway, quantize8, quantize4, topk,
 randomk, sketch (ratio 4), fetchsgd (ratio 4) and powersgd are
 hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
 (VARIANTS, ACCORDION): topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
-of the coordinates); onebit_oneway_b256 (onebit one-way with a scale per 256 elements); accordion_critical and accordion_calm are Accordion's
+of the coordinates); onebit_oneway_b256 (onebit one-way with a scale per 256
+elements); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
 (rank 1) regime, the regime detector's accumulation included. hier_<name> (HIERARCHICAL): <name> with
 hierarchical=True, averaged inside each host and compressed across hosts; hier_none is Horovod's

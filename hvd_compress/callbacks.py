@@ -132,7 +132,8 @@ class MetricAverageCallback(_DistributedTrainingCallback):
 class Consensus(tf_keras.callbacks.Callback):
     """For SGP (hvd_compress.PushSumOptimizer), whose ranks hold different models while they train: once every
     rank has finished its own steps, every rank's model becomes the exact average of all ranks' models
-    (gossip.consensus: the messages still in flight are taken in first, then one allreduce).
+    (gossip.consensus: one allreduce of the models; over MPI the messages still in flight are first taken out of
+    MPI into the per-rank mass in flight, which the next step mixes in).
 
     - At the end of model.fit, always: the model that is evaluated and saved afterwards is the average.
     - With every_epoch=True, at the end of every epoch too, before fit's validation: the validation metrics and

@@ -90,6 +90,11 @@ def mixing_matrix(graph, size, step):
     return matrix
 
 
+def _steps_or_none(value, minimum):
+    """Whether `value` is None or a number of steps (an int, not a bool) of at least `minimum`."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
+
+
 class PushSum:
     """The gossip step for a fixed list of variables; state through the given factory."""
 
@@ -106,11 +111,10 @@ class PushSum:
             p2p.mpi_world()  # a Gloo launch, or no mpi4py: refused here, before any collective
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}.")
-        if average_every is not None and (isinstance(average_every, bool) or
-                                          not isinstance(average_every, int) or average_every < 0):
+        if not _steps_or_none(average_every, 0):
             raise ValueError(f"average_every must be None, 0 (never) or a positive number of steps, "
                              f"got {average_every!r}.")
-        if max_drift is not None and (isinstance(max_drift, bool) or not isinstance(max_drift, int) or max_drift < 1):
+        if not _steps_or_none(max_drift, 1):
             raise ValueError(f"max_drift must be None (no bound but the graph's) or a number of steps >= 1, "
                              f"got {max_drift!r}.")
         if max_drift is not None and transport != "mpi":
@@ -211,22 +215,17 @@ class PushSum:
         mass left in `in_flight`; zeros without) and what this step's in-peers sent (without overlap, and with it on
         an averaging step, so that nothing is in flight; zeros otherwise)."""
         mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
-        nothing = []  # one array of zeros, made once and only read (TensorFlow may hold it as an output's memory)
-
-        def zeros(like):
-            if not nothing:
-                nothing.append(np.zeros_like(like))
-            return nothing[0]
+        nothing = np.zeros(share.shape, np.float32)  # made once and only read (an output may hold its memory)
 
         def run(share, step, held, average_now):
             step = int(step)
             earlier = mailbox.collect_pending()
             if earlier is None:  # without overlap nothing arrives early; with it, after `flush`, the mass it kept
-                earlier = np.array(held) if self.overlap else zeros(share)  # (a copy: not the variable's memory)
+                earlier = np.array(held) if self.overlap else nothing  # (a copy: not the variable's memory)
             phase = step % period
             mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
                          in_peers(self.graph, self.rank, self.size, phase))
-            now = zeros(share) if self.overlap and not average_now else mailbox.collect(step)
+            now = nothing if self.overlap and not average_now else mailbox.collect(step)
             return earlier, now
 
         held = self.in_flight if self.overlap else tf.zeros_like(share)
