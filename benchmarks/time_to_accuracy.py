@@ -4,6 +4,7 @@ namespace, or hosts of several ranks (--hosts=2x2).
     sudo .venv/bin/python benchmarks/time_to_accuracy.py           # the transformer: 1gbit,10gbit x 2 ranks
     sudo .venv/bin/python benchmarks/time_to_accuracy.py --task=digits --ranks=2,4   # the wide MLP on digits, SGD
     sudo .venv/bin/python benchmarks/time_to_accuracy.py --task=digits --hosts=2x2 --rates=1gbit
+    sudo .venv/bin/python benchmarks/time_to_accuracy.py --task=text --methods=horovod_fp32,none,onebit_oneway_b256
 
 Needs root (it exits with status 2 and says why otherwise). The network and
 the launching are wire.py's: for every rate and host layout (--ranks=N: N hosts
@@ -20,13 +21,24 @@ wire.METHODS, quantize8 for one, with --methods). Flags this script shares with 
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
 
-Two tasks (--task). `transformer` (the default) is examples/keras_transformer.py's causal
+Three tasks (--task). `transformer` (the default) is examples/keras_transformer.py's causal
 transformer on Python's documentation, in float32, with AdamW on a warm-up into a cosine decay and
 clipping, for --epochs 3; every compressed method sends at full precision for its first 15%
 of steps (--compression_warmup; onebit is 1-bit Adam there). Its test set is 65,000 held-out
 characters, each one sample. It has 0.43M parameters (1.7 MB of float32 gradient), so its step is
 compute-bound on this machine's CPU cores at both rates: it shows what compression costs and keeps
 on today's workload, not what it saves on a slow link.
+
+`text` is today's optimizer on a model whose step the link decides: the next character of the same text from
+the TEXT_CONTEXT (24) characters before it, each embedded in 32 numbers, then a wide ReLU MLP (--layers' hidden
+widths: 768 -> 4096 -> 4096 -> 1024 -> the vocabulary, 24.2M parameters, 97 MB of float32 gradient), under
+the transformer's AdamW (peak 1e-3, warm-up into a cosine decay over the run, clipping) for 1 epoch; a window
+starts every 24 characters, so each character of the training text is a target once. Its step computes for
+about 0.6 s on one of this machine's cores (0.37 s forward and backward, the rest AdamW's update of 24M
+weights) and exchanges 97 MB at fp32, 0.8 s at 1 Gbit/s, so there the exchange is the larger part; unlike digits,
+its test set is 5,000 held-out characters (the last of the text), each one sample, so one sample moves an
+evaluation by 0.0002 (0.02 point). Compressed methods send at full precision for their first 10% of steps (as long as the learning rate's
+warm-up: 1-bit Adam's variance is frozen after it).
 
 `digits` is the bundled digits (examples/digits.py: scikit-learn's 8x8
 images, nothing to download, a fixed stratified 80/20 split, rank r trains on
@@ -108,15 +120,16 @@ flags.FLAGS.set_default("rates", ["1gbit", "10gbit"])
 flags.FLAGS.set_default("methods", ["horovod_fp32", "horovod_fp16", "none", "fp16", "onebit", "topk", "powersgd"])
 flags.FLAGS.set_default("timeout", 1800)
 flags.FLAGS.set_default("out", "results/time_to_accuracy.json")
-flags.DEFINE_enum("task", "transformer", ["transformer", "digits"], "The task (see above).")
+flags.DEFINE_enum("task", "transformer", ["transformer", "text", "digits"], "The task (see above).")
 flags.DEFINE_list("layers", ["64", "4096", "4096", "1024", "10"], "digits: the MLP's widths, the 64 pixels first, "
-                  "the 10 classes last.")
+                  "the 10 classes last; text: its hidden widths (all but the first and the last) are the MLP's.")
 flags.DEFINE_float("lr", None, "The learning rate, the same for every method: digits, SGD's (momentum 0.9, "
-                   "nesterov; default 0.02); transformer, AdamW's peak (default 2e-3).")
+                   "nesterov; default 0.02); transformer and text, AdamW's peak (default 2e-3 and 1e-3).")
 flags.DEFINE_integer("epochs", None, "Epochs of every run (each rank sees its shard once an epoch; digits: 12, "
-                     "transformer: 3).")
-flags.DEFINE_float("compression_warmup", 0.15, "transformer: the fraction of steps every compressed method sends at "
-                   "full precision first (hc.DistributedOptimizer's warmup_steps).")
+                     "transformer: 3, text: 1).")
+flags.DEFINE_float("compression_warmup", None, "The fraction of steps every compressed method sends at full precision "
+                   "first (hc.DistributedOptimizer's warmup_steps; transformer: 0.15, text: 0.1, digits: the "
+                   "library's default).")
 flags.DEFINE_float("max_seconds", 1200, "Training-clock budget of a run, checked at evaluations.")
 flags.DEFINE_integer("eval_every", None, "Steps between two test evaluations (digits: 5, transformer: 20).")
 flags.DEFINE_integer("sustained", 3, "The clock stops where the mean of this many consecutive evaluations reaches "
@@ -127,14 +140,28 @@ flags.DEFINE_string("reference", "horovod_fp16", "The method whose final accurac
 flags.DEFINE_float("margin", 0.01, "Target = the reference's final test accuracy - margin.")
 flags.DEFINE_string("plot", "results/time_to_accuracy.png", "launcher: the figure.")
 FLAGS = flags.FLAGS
-#: each task's defaults of --lr, --epochs and --eval_every
-TASK_DEFAULTS = {"digits": dict(lr=0.02, epochs=12, eval_every=5), "transformer": dict(lr=2e-3, epochs=3, eval_every=20)}
+#: each task's defaults of --lr, --epochs, --eval_every and --compression_warmup
+TASK_DEFAULTS = {"digits": dict(lr=0.02, epochs=12, eval_every=5),
+                 "transformer": dict(lr=2e-3, epochs=3, eval_every=20, compression_warmup=0.15),
+                 "text": dict(lr=1e-3, epochs=1, eval_every=20, compression_warmup=0.1)}
+#: the text task: characters of context, each embedded in EMBEDDING numbers; a window starts every TEXT_STRIDE
+#: characters (so every character is one window's target once); the last TEXT_TEST_CHARS are the test set
+TEXT_CONTEXT, EMBEDDING, TEXT_STRIDE, TEXT_TEST_CHARS = 24, 32, 24, 5_000
 
 
 def setting(name):
-    """--<name>, or the task's default."""
+    """--<name>, or the task's default (None where it has none)."""
     value = getattr(FLAGS, name)
-    return TASK_DEFAULTS[FLAGS.task][name] if value is None else value
+    return TASK_DEFAULTS[FLAGS.task].get(name) if value is None else value
+
+
+def make_optimizer(hc, hvd_keras, keras, base_optimizer, total_steps):
+    """--method's optimizer around base_optimizer, and its accounting (wire.make_optimizer's); a compressed
+    method sends at full precision for the first --compression_warmup of total_steps."""
+    fraction = setting("compression_warmup")
+    warmup = ({} if fraction is None or FLAGS.method.startswith("horovod_") else
+              dict(warmup_steps=max(1, int(fraction * total_steps))))
+    return wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method, base_optimizer, **warmup)
 
 
 def digits_task(keras, hvd, hvd_keras, hc):
@@ -144,9 +171,28 @@ def digits_task(keras, hvd, hvd_keras, hc):
     data, steps_per_epoch = digits.shard(x_train.reshape(len(x_train), -1), y_train, hvd.rank(), hvd.size(),
                                          FLAGS.batch_size, FLAGS.seed)
     model = launch.mlp(keras, [int(width) for width in FLAGS.layers])
-    opt, accounted = wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method,
-                                         keras.optimizers.SGD(setting("lr"), momentum=0.9, nesterov=True))
+    opt, accounted = make_optimizer(hc, hvd_keras, keras, keras.optimizers.SGD(setting("lr"), momentum=0.9,
+                                                                                nesterov=True),
+                                    setting("epochs") * steps_per_epoch)
     return model, opt, accounted, iter(data), steps_per_epoch, x_test.reshape(len(x_test), -1), y_test
+
+
+def text_task(keras, hvd, hvd_keras, hc):
+    """The same for the wide MLP on the next character of Python's documentation, under AdamW."""
+    import digits
+    import transformer
+    from pydoc_text import character_codes, next_character
+    codes, vocab_size = character_codes()
+    x, y = next_character(codes[:-TEXT_TEST_CHARS], TEXT_CONTEXT, TEXT_STRIDE)
+    x_test, y_test = next_character(codes[-TEXT_TEST_CHARS - TEXT_CONTEXT:], TEXT_CONTEXT, 1)
+    data, steps_per_epoch = digits.shard(x, y, hvd.rank(), hvd.size(), FLAGS.batch_size, FLAGS.seed)
+    hidden = [int(width) for width in FLAGS.layers[1:-1]]
+    model = keras.Sequential([keras.layers.Input((TEXT_CONTEXT,), dtype="int32"),
+                              keras.layers.Embedding(vocab_size, EMBEDDING), keras.layers.Flatten(),
+                              launch.mlp(keras, [TEXT_CONTEXT * EMBEDDING, *hidden, vocab_size])])
+    total = setting("epochs") * steps_per_epoch
+    opt, accounted = make_optimizer(hc, hvd_keras, keras, transformer.adamw(keras, total, lr=setting("lr")), total)
+    return model, opt, accounted, iter(data), steps_per_epoch, x_test, y_test
 
 
 def transformer_task(keras, hvd, hvd_keras, hc):
@@ -157,10 +203,7 @@ def transformer_task(keras, hvd, hvd_keras, hc):
     data, steps_per_epoch = digits.shard(x, y, hvd.rank(), hvd.size(), FLAGS.batch_size, FLAGS.seed)
     model = transformer.transformer(keras, vocab_size)
     total = setting("epochs") * steps_per_epoch
-    warmup = ({} if FLAGS.method.startswith("horovod_") else
-              dict(warmup_steps=max(1, int(FLAGS.compression_warmup * total))))
-    opt, accounted = wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method,
-                                         transformer.adamw(keras, total, lr=setting("lr")), **warmup)
+    opt, accounted = make_optimizer(hc, hvd_keras, keras, transformer.adamw(keras, total, lr=setting("lr")), total)
     return model, opt, accounted, iter(data), steps_per_epoch, x_test, y_test
 
 
@@ -175,7 +218,7 @@ def worker():
     keras = hc.require_legacy_keras()
     hvd.init(process_sets="dynamic")  # (wire.py's hier_ methods make the hosts' process sets)
     tf.keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights on every rank
-    task = {"digits": digits_task, "transformer": transformer_task}[FLAGS.task]
+    task = {"digits": digits_task, "transformer": transformer_task, "text": text_task}[FLAGS.task]
     model, opt, accounted, batches, steps_per_epoch, x_test, y_test = task(keras, hvd, hvd_keras, hc)
     x_test, y_test = tf.constant(x_test), tf.constant(y_test, tf.int64)
     train = launch.training_step(keras, model, opt)
@@ -211,9 +254,9 @@ def run(net, method):
     """One method's training on net's ranks: its curve, as rank 0 measured it, and its figures."""
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--method={method}",
             f"--task={FLAGS.task}", f"--layers={','.join(FLAGS.layers)}", f"--lr={setting('lr')}",
-            f"--epochs={setting('epochs')}", f"--compression_warmup={FLAGS.compression_warmup}",
-            f"--max_seconds={FLAGS.max_seconds}", f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}",
-            f"--batch_size={FLAGS.batch_size}"]
+            f"--epochs={setting('epochs')}", f"--max_seconds={FLAGS.max_seconds}",
+            f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}", f"--batch_size={FLAGS.batch_size}",
+            *([] if setting("compression_warmup") is None else [f"--compression_warmup={setting('compression_warmup')}"])]
     ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}")
     # The first step is counted as the median step of the slowest rank, not as its tracing time.
     first_step = max(r["median_step_s"] for r in ranks)
@@ -323,19 +366,26 @@ def main(_):
 
 def describe(r):
     """The task of run r in words."""
-    if r.get("task", "digits") == "digits":
+    task, fraction = r.get("task", "digits"), setting("compression_warmup")
+    warmup = "" if fraction is None else f"; compressed methods at full precision for their first {fraction:.0%} of steps"
+    if task == "digits":
         return (f"{r['params']:,} parameters ({'-'.join(FLAGS.layers)} MLP on digits), batch {FLAGS.batch_size} per rank, "
-                f"SGD lr {setting('lr')} (momentum 0.9, nesterov)")
-    return (f"causal transformer, {r['params']:,} parameters, batch {FLAGS.batch_size} sequences per rank, float32, "
-            f"AdamW peak lr {setting('lr')} (warm-up into a cosine decay, clipping); compressed methods at full "
-            f"precision for their first {FLAGS.compression_warmup:.0%} of steps")
+                f"SGD lr {setting('lr')} (momentum 0.9, nesterov){warmup}")
+    adamw = f"AdamW peak lr {setting('lr')} (warm-up into a cosine decay, clipping){warmup}"
+    if task == "text":
+        return (f"{r['params']:,} parameters (the next character of Python's documentation: {TEXT_CONTEXT} characters, "
+                f"each embedded in {EMBEDDING} numbers, then a {'-'.join(FLAGS.layers[1:-1])} MLP), "
+                f"{TEXT_TEST_CHARS:,} held-out characters to test, batch {FLAGS.batch_size} per rank, {adamw}")
+    return f"causal transformer, {r['params']:,} parameters, batch {FLAGS.batch_size} sequences per rank, float32, {adamw}"
 
 
 def command_line():
     layout = dict(hosts=FLAGS.hosts) if FLAGS.hosts else dict(ranks=FLAGS.ranks)
     return launch.command_line(__file__, task=FLAGS.task, rates=FLAGS.rates, **layout, methods=FLAGS.methods,
                                layers=FLAGS.layers, lr=setting("lr"), epochs=setting("epochs"),
-                               compression_warmup=FLAGS.compression_warmup, max_seconds=FLAGS.max_seconds,
+                               **({} if setting("compression_warmup") is None else
+                                  dict(compression_warmup=setting("compression_warmup"))),
+                               max_seconds=FLAGS.max_seconds,
                                eval_every=setting("eval_every"), sustained=FLAGS.sustained,
                                batch_size=FLAGS.batch_size, seed=FLAGS.seed,
                                reference=FLAGS.reference, margin=FLAGS.margin,

@@ -28,7 +28,7 @@ from absl import app, flags  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
-from pydoc_text import character_codes  # noqa: E402
+from pydoc_text import character_codes, next_character  # noqa: E402
 
 #: hc.methods' names but gossip (sgp: examples/keras_digits.py)
 METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
@@ -56,12 +56,8 @@ CONTEXT, STRIDE, TEST_CHARS = 24, 3, 20_000
 def load_text():
     """(train windows, train targets), (test windows, test targets), vocabulary size."""
     codes, vocab_size = character_codes(FLAGS.train_chars + TEST_CHARS)
-
-    def windows(part):
-        starts = np.arange(0, len(part) - CONTEXT, STRIDE)
-        return part[starts[:, None] + np.arange(CONTEXT)], part[starts + CONTEXT]
-
-    return windows(codes[:FLAGS.train_chars]), windows(codes[FLAGS.train_chars:]), vocab_size
+    return (next_character(codes[:FLAGS.train_chars], CONTEXT, STRIDE),
+            next_character(codes[FLAGS.train_chars:], CONTEXT, STRIDE), vocab_size)
 
 
 def model_for(keras, vocab_size):

@@ -13,3 +13,9 @@ def character_codes(num_chars=None):
     vocab = np.full(256, 1, np.int32)
     vocab[chars[counts >= 20]] = np.arange(2, 2 + (counts >= 20).sum())
     return vocab[raw], int(vocab.max()) + 1
+
+
+def next_character(codes, context, stride):
+    """(windows of `context` codes starting every `stride` characters, the code that follows each)."""
+    starts = np.arange(0, len(codes) - context, stride)
+    return codes[starts[:, None] + np.arange(context)], codes[starts + context]
