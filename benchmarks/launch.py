@@ -5,6 +5,7 @@ writes its figures to the JSON file named by --result, which the launcher
 returns. On a shaped network (netns.Network), `run_in_namespaces` starts the
 ranks itself, one per namespace, and returns every rank's JSON.
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -25,6 +26,12 @@ LABELS = {
 }
 
 
+#: the gossip variants of the benchmarks that run SGP: name -> (a name of hc.methods, its overrides); the _mpi
+#: ones send point to point and need an MPI launch
+GOSSIP_VARIANTS = {"sgp_overlap": ("sgp", dict(overlap=True)), "sgp_mpi": ("sgp", dict(transport="mpi")),
+                   "sgp_overlap_mpi": ("sgp", dict(overlap=True, transport="mpi"))}
+
+
 def label(method):
     """The human-readable name of a method (LABELS), or the name itself."""
     return LABELS.get(method, method)
@@ -43,6 +50,25 @@ def check_names(script, what, chosen, known):
     unknown = sorted(set(chosen) - set(known))
     if unknown:
         sys.exit(f"{script}: unknown {what} {unknown}; known: {list(known)}")
+
+
+def check_launcher(script, methods, launcher):
+    """Exits with the fix where a method sends point to point (GOSSIP_VARIANTS' _mpi) without an MPI launch."""
+    needs_mpi = [m for m in methods if m.endswith("_mpi")]
+    if needs_mpi and launcher != "mpi":
+        sys.exit(f"{script}: methods {needs_mpi} send point to point over MPI: add --launcher=mpi.")
+
+
+def launched(launcher):
+    """How a run's ranks started, in words, for a table's note."""
+    return {"gloo": "launched with Gloo (Horovod's collectives over Gloo)",
+            "mpi": "launched with mpirun (Horovod's collectives over Open MPI)"}[launcher]
+
+
+def table_suffix(row):
+    """The suffix of a published table's name: "_mpi" for a run launched with MPI (its tables stand beside the
+    Gloo launch's)."""
+    return "_mpi" if row.get("launcher", "gloo") == "mpi" else ""
 
 
 def mlp(keras, layers):
@@ -118,44 +144,54 @@ def run_example(script, ranks, flags, timeout=1200):
 
 
 # -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------
-def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
-    """Runs `argv --result=<file>` as every rank of net (a netns.Network), each in its host's
-    namespace; returns the JSON each rank wrote to its file, ordered by rank.
+#: how run_in_namespaces starts the ranks
+LAUNCHERS = ("gloo", "mpi")
 
-    No horovodrun: this starts Horovod's own RendezvousServer (bound to all addresses; the ranks
-    reach it at net.server_address), gives each rank the HOROVOD_* variables that horovodrun's Gloo
-    launcher would (horovod.runner.gloo_run.create_run_env_vars and create_slot_env_vars), and
-    starts it with net.command(rank, ...). Every rank gets an equal share of the CPU cores for
-    TensorFlow's intra-op threads, and `inter_op_threads` threads to run independent ops at once
-    (with one, TensorFlow runs the backward pass to its end before any exchange op: docs/architecture.md,
-    "Buckets and overlap"). All ranks are killed at the first failure or after `timeout`
-    seconds, and the error carries the end of their logs; `what` names the job in it.
+
+def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gloo"):
+    """Runs `argv --result=<dir>/rank{rank}.json` as every rank of net (a netns.Network), each in its host's
+    namespace under its host's name; returns the JSON each rank wrote (to the path with {rank} filled in),
+    ordered by rank.
+
+    No horovodrun. launcher="gloo": this starts Horovod's own RendezvousServer (bound to all addresses; the
+    ranks reach it at net.server_address), gives each rank the HOROVOD_* variables that horovodrun's Gloo
+    launcher would (horovod.runner.gloo_run.create_run_env_vars and create_slot_env_vars), and starts it with
+    net.command(rank, ...). launcher="mpi": one mpirun (Open MPI) with horovodrun --mpi's flags, the hosts'
+    names and slots (net.slots) and, as its remote shell, net.rsh_agent: where ssh would log into a host, it
+    enters the host's namespace, so mpirun's daemon on that host and the ranks it starts live there; MPI's
+    and its daemons' TCP stay on the shaped subnet. Horovod then runs its collectives over MPI, and
+    PushSumOptimizer(transport="mpi") can send point to point.
+
+    Every rank gets an equal share of the CPU cores for TensorFlow's intra-op threads, and
+    `inter_op_threads` threads to run independent ops at once (with one, TensorFlow runs the backward pass
+    to its end before any exchange op: docs/architecture.md, "Buckets and overlap"). All ranks are killed
+    at the first failure or after `timeout` seconds, and the error carries the end of their logs; `what`
+    names the job in it.
     """
-    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
-    from horovod.runner.http.http_server import RendezvousServer
-
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}.")
     n = net.num_ranks
-    plan = get_host_assignments(parse_hosts(net.slots), n)
-    server = RendezvousServer(verbose=0)
-    port = server.start()
-    server.init(plan)
+    env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
+               TF_NUM_INTEROP_THREADS=str(inter_op_threads), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
     procs = []
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         tmp = pathlib.Path(tmp)
+        argv = [*argv, f"--result={tmp}/rank{{rank}}.json"]
         try:
-            for slot in plan:
-                env = dict(os.environ, **create_run_env_vars(net.server_address, [net.iface], port),
-                           **create_slot_env_vars(slot))
-                env.update(TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
-                           TF_NUM_INTEROP_THREADS=str(inter_op_threads), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                           TF_CPP_MIN_LOG_LEVEL="2")
-                env = {k: str(v) for k, v in env.items()}
-                with open(tmp / f"rank{slot.rank}.log", "w") as log:
-                    procs.append(subprocess.Popen(
-                        net.command(slot.rank, [*argv, f"--result={tmp / f'rank{slot.rank}.json'}"]), env=env,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            wait_all(procs, timeout, lambda: logs(tmp, n), what)
+            if launcher == "gloo":
+                with _rendezvous(net) as rank_env:
+                    for r in range(n):
+                        procs.append(_start(net.command(r, argv), dict(env, **rank_env(r)), tmp / f"rank{r}.log"))
+                    wait_all(procs, timeout, lambda: logs(tmp, [f"rank{r}" for r in range(n)]), what)
+            else:
+                agent = net.rsh_agent(tmp / "rsh_agent")
+                procs.append(_start(["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(n), "-H", net.slots,
+                                     "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl",
+                                     "^openib", "-mca", "plm_rsh_agent", str(agent),
+                                     "-mca", "oob_tcp_if_include", str(net.subnet),
+                                     "-mca", "btl_tcp_if_include", str(net.subnet), *argv], env, tmp / "mpirun.log"))
+                wait_all(procs, timeout, lambda: logs(tmp, ["mpirun"], lines=60), what)
             return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]
         finally:
             for p in procs:
@@ -165,7 +201,30 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1):
                     except ProcessLookupError:  # it has just exited
                         pass
                     p.wait()
-            server.stop()
+
+
+def _start(command, env, log_path):
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, env={k: str(v) for k, v in env.items()}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def _rendezvous(net):
+    """Horovod's RendezvousServer for net's Gloo ranks; yields rank -> the HOROVOD_* variables of that rank."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    plan = get_host_assignments(parse_hosts(net.slots), net.num_ranks)
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    try:
+        yield lambda rank: dict(**create_run_env_vars(net.server_address, [net.iface], port),
+                                **create_slot_env_vars(plan[rank]))
+    finally:
+        server.stop()
 
 
 def wait_all(procs, timeout, logs_fn, what):
@@ -182,9 +241,10 @@ def wait_all(procs, timeout, logs_fn, what):
         raise RuntimeError(f"{what}: exit codes {[p.returncode for p in procs]}.\n{logs_fn()}")
 
 
-def logs(tmp, n, lines=30):
-    return "\n".join(f"--- rank {r} (last {lines} lines) ---\n" + "\n".join(
-        (tmp / f"rank{r}.log").read_text(errors="replace").splitlines()[-lines:]) for r in range(n))
+def logs(tmp, names, lines=30):
+    """The last lines of each <name>.log in tmp."""
+    return "\n".join(f"--- {name} (last {lines} lines) ---\n" + "\n".join(
+        (tmp / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]) for name in names)
 
 
 def prepare_network_run(script, rates):

@@ -37,9 +37,11 @@ clean TCP state, not from what the previous job's connections left cached.
 
 Each namespace gets /etc/netns/<ns>/hosts (bind-mounted over /etc/hosts by
 `ip netns exec`) that resolves every host's name to its address, and
-`command()` starts a rank under `unshare --uts` so that it can set its host's
-name: Horovod's Gloo contexts bind the address their hostname resolves to (the
-ranks of one host bind the same address, on ports of their own).
+`command()` starts a rank on its host (`enter_host`: in the host's namespace, under
+`unshare --uts` with the host's name set): Horovod's Gloo contexts bind the address their
+hostname resolves to (the ranks of one host bind the same address, on ports of their own),
+and an MPI launch finds its daemons by their hosts' names. `rsh_agent()` writes the
+remote shell through which Open MPI's mpirun enters the hosts, where ssh would log into them.
 
 Only root can do this; `check_rights()` says why not, else None. `Network` is
 a context manager that removes everything it made (namespaces and the
@@ -53,6 +55,7 @@ import ipaddress
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -177,7 +180,7 @@ class Network:
         self.namespaces = [f"{PREFIX}{h}" for h in range(self.num_hosts)]
         self.hostnames = [f"hc-ns{h}" for h in range(self.num_hosts)]
         self.addresses = [str(SUBNET[10 + h]) for h in range(self.num_hosts)]
-        self.server_address, self.iface = BRIDGE_ADDRESS, IFACE
+        self.server_address, self.iface, self.subnet = BRIDGE_ADDRESS, IFACE, SUBNET
         self._lock = None
 
     @property
@@ -186,8 +189,25 @@ class Network:
         return ",".join(f"{name}:{count}" for name, count in zip(self.hostnames, self.ranks_per_host))
 
     def command(self, rank, argv):
-        """argv run as rank `rank`: inside its host's namespace, in a UTS namespace of its own."""
-        return ["ip", "netns", "exec", self.namespaces[self.host_of[rank]], "unshare", "--uts", "--", *argv]
+        """argv run as rank `rank`: on its host (enter_host)."""
+        return self.enter_host(self.host_of[rank], argv)
+
+    def enter_host(self, host, argv):
+        """argv run on host `host`: inside its namespace, in a UTS namespace of its own named as the host."""
+        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.hostnames[host], *argv]
+
+    def rsh_agent(self, path):
+        """Writes to `path` an executable that Open MPI's mpirun can use as its remote shell (-mca
+        plm_rsh_agent): called as ssh would be, `<agent> <host name> <command words>`, it runs the command
+        as a shell would (the words joined by spaces, as ssh passes them) on that host (enter_host). Returns
+        path."""
+        cases = "".join(f'  {shlex.quote(name)}) shift; exec {shlex.join(self.enter_host(h, ["sh", "-c"]))} "$*" ;;\n'
+                        for h, name in enumerate(self.hostnames))
+        path = pathlib.Path(path)
+        path.write_text(f'#!/bin/sh\ncase "$1" in\n{cases}  *) echo "rsh_agent: unknown host $1" >&2; exit 2 ;;\nesac\n')
+        path.chmod(0o755)
+        return path
 
     def __enter__(self):
         self._lock = open(LOCK, "w")

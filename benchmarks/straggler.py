@@ -37,9 +37,6 @@ flags.DEFINE_string("result", None, "worker: where rank 0 writes its JSON.")
 flags.DEFINE_string("out", "results/straggler.json", "launcher: the table's JSON.")
 FLAGS = flags.FLAGS
 LAYERS = [512, 1024, 1024, 10]  # 1.6M parameters
-#: this benchmark's methods beyond hc.methods' names: name -> (a name of hc.methods, its overrides)
-VARIANTS = {"sgp_overlap": ("sgp", dict(overlap=True)), "sgp_mpi": ("sgp", dict(transport="mpi")),
-            "sgp_overlap_mpi": ("sgp", dict(overlap=True, transport="mpi"))}
 #: allreduce (Horovod's fp32 in hc.DistributedOptimizer), gossip, gossip overlapping the next step, both over MPI
 METHODS = ("none", "sgp", "sgp_overlap", "sgp_mpi", "sgp_overlap_mpi")
 STRAGGLERS = ("none", "persistent", "random")
@@ -66,7 +63,7 @@ def worker():
     tf.keras.utils.set_random_seed(0)
     model = launch.mlp(keras, LAYERS)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
-    opt = launch.optimizer(hc, FLAGS.method, sgd, VARIANTS)
+    opt = launch.optimizer(hc, FLAGS.method, sgd, launch.GOSSIP_VARIANTS)
     step = launch.warm_step(keras, model, opt, 32)
     times = []
     for t in range(FLAGS.steps):

@@ -17,7 +17,7 @@ allreduce in hvd_compress's wrapper, whose SGD update runs in fused kernels, as
 in every hc method: it separates that from what compression buys), fp16,
 onebit (two-way), topk (1%) and powersgd (rank 4) hvd_compress's; any other of
 wire.METHODS, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
---hosts, --methods, --batch_size, --slow_start_after_idle, --timeout, --out) are
+--hosts, --methods, --batch_size, --slow_start_after_idle, --launcher, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
 
@@ -208,7 +208,6 @@ def transformer_task(keras, hvd, hvd_keras, hc):
 
 
 def worker():
-    socket.sethostname(os.environ["HOROVOD_HOSTNAME"])  # our own UTS namespace (unshare --uts)
     import hvd_compress as hc
     import tensorflow as tf
     import horovod.tensorflow as hvd
@@ -242,7 +241,7 @@ def worker():
             if clock >= FLAGS.max_seconds:
                 break
     params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
-    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+    pathlib.Path(FLAGS.result.format(rank=hvd.rank())).write_text(json.dumps(dict(
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         steps_per_epoch=steps_per_epoch, steps=len(step_seconds), first_step_s=step_seconds[0],
         median_step_s=statistics.median(step_seconds[1:] or step_seconds), accounted=accounted(params),
@@ -257,12 +256,14 @@ def run(net, method):
             f"--epochs={setting('epochs')}", f"--max_seconds={FLAGS.max_seconds}",
             f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}", f"--batch_size={FLAGS.batch_size}",
             *([] if setting("compression_warmup") is None else [f"--compression_warmup={setting('compression_warmup')}"])]
-    ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}")
+    ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}",
+                                     launcher=FLAGS.launcher)
     # The first step is counted as the median step of the slowest rank, not as its tracing time.
     first_step = max(r["median_step_s"] for r in ranks)
     curve = [dict(step=step, seconds=clock + (first_step if step else 0.0), accuracy=accuracy)
              for step, clock, accuracy in ranks[0]["curve"]]
-    return dict(rate=net.rate, ranks=net.num_ranks, layout=net.layout, method=method, task=FLAGS.task, sustained=FLAGS.sustained,
+    return dict(rate=net.rate, ranks=net.num_ranks, layout=net.layout, method=method, task=FLAGS.task,
+                launcher=FLAGS.launcher, sustained=FLAGS.sustained,
                 params=ranks[0]["params"], curve=curve,
                 final_accuracy=curve[-1]["accuracy"], steps=ranks[0]["steps"], seconds=curve[-1]["seconds"],
                 median_step_s=first_step, accounted=statistics.fmean(r["accounted"] for r in ranks),
@@ -336,6 +337,7 @@ def main(_):
         return worker()
     methods = [FLAGS.reference] + [m for m in FLAGS.methods if m != FLAGS.reference]  # the target first
     launch.check_names("time_to_accuracy.py", "methods", methods, wire.METHODS)
+    launch.check_launcher("time_to_accuracy.py", methods, FLAGS.launcher)
     if FLAGS.task == "digits" and (len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10"):
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
                  f"got {FLAGS.layers}.")
@@ -389,7 +391,8 @@ def command_line():
                                eval_every=setting("eval_every"), sustained=FLAGS.sustained,
                                batch_size=FLAGS.batch_size, seed=FLAGS.seed,
                                reference=FLAGS.reference, margin=FLAGS.margin,
-                               slow_start_after_idle=FLAGS.slow_start_after_idle, timeout=FLAGS.timeout,
+                               slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
+                               timeout=FLAGS.timeout,
                                out=FLAGS.out, plot=FLAGS.plot)
 
 
@@ -401,7 +404,8 @@ def render(runs):
     targets = "; ".join(f"{rate}: {r['target']:.4f}" for rate, r in {r["rate"]: r for r in runs}.items())
     r0 = runs[0]
     hosts = "" if wire.layout_of(r0).endswith("x1") else f" on hosts {wire.layout_of(r0)} (sharing a host's link)"
-    note = (f"{r0['ranks']} ranks{hosts}, {describe(r0)}. Target: {name}'s final test accuracy less the margin "
+    note = (f"{r0['ranks']} ranks{hosts}, {launch.launched(r0.get('launcher', 'gloo'))}, {describe(r0)}. "
+            f"Target: {name}'s final test accuracy less the margin "
             f"({targets}). Seconds: the slowest rank's training clock at the first evaluation where the mean of the "
             f"last {r0.get('sustained', 1)} evaluations reaches the target.")
     rows = []
@@ -420,19 +424,21 @@ def render(runs):
 
 def publish(runs):
     """The table of each host layout in docs/benchmarks.md: time_to_accuracy_<task>_<n>ranks for n hosts of one
-    rank, time_to_accuracy_<task>_hosts_<HxL> for hosts of several."""
+    rank, time_to_accuracy_<task>_hosts_<HxL> for hosts of several; with _mpi after it for an MPI launch."""
     for layout in dict.fromkeys(map(wire.layout_of, runs)):
         mine = [r for r in runs if wire.layout_of(r) == layout]
         name = f"{mine[0]['ranks']}ranks" if layout.endswith("x1") else f"hosts_{layout}"
-        results.publish(f"time_to_accuracy_{runs[0].get('task', 'digits')}_{name}", render(mine),
-                        results.command_line(), source=FLAGS.out)
+        results.publish(f"time_to_accuracy_{runs[0].get('task', 'digits')}_{name}{launch.table_suffix(mine[0])}",
+                        render(mine), results.command_line(), source=FLAGS.out)
 
 
 def per_task_paths(argv):
-    """--out and --plot left at their defaults name the task: results/time_to_accuracy_<task>.json (.png)."""
+    """--out and --plot left at their defaults name the task and an MPI launch:
+    results/time_to_accuracy_<task>[_mpi].json (.png)."""
+    launched = launch.table_suffix(dict(launcher=FLAGS.launcher))
     for name, suffix in (("out", "json"), ("plot", "png")):
         if FLAGS[name].using_default_value:
-            setattr(FLAGS, name, f"results/time_to_accuracy_{FLAGS.task}.{suffix}")
+            setattr(FLAGS, name, f"results/time_to_accuracy_{FLAGS.task}{launched}.{suffix}")
     return results.run(main, publish)(argv)
 
 

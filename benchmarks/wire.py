@@ -16,7 +16,12 @@ RendezvousServer (bound to all addresses; the ranks reach it at the bridge's
 10.77.0.1), gives each rank the HOROVOD_* variables that horovodrun's Gloo
 launcher would (horovod.runner.gloo_run.create_run_env_vars and
 create_slot_env_vars), and runs `ip netns exec hc-wire-<i> unshare --uts --
-python wire.py --role=worker ...` with a hard timeout per job.
+python wire.py --role=worker ...` with a hard timeout per job. With
+--launcher=mpi one mpirun starts the ranks instead, with a remote shell that
+enters each host's namespace where ssh would log into it
+(launch.run_in_namespaces): Horovod's collectives then run over Open MPI, and
+SGP can send point to point (sgp_mpi, sgp_overlap_mpi); the tables of such a
+run are published apart (wire_<model>_mpi).
 
 Each worker trains `--warmup` steps, then, between two tiny allreduce
 barriers, `--steps` timed steps, and reads its host's interface's kernel counters
@@ -67,7 +72,9 @@ updates in fused kernels, as in every hc row), fp16 (hvd_compress's own 16-bit
 exchange), onebit (two-way), onebit_oneway, quantize8, quantize4, topk,
 randomk, sketch (ratio 4), fetchsgd (ratio 4) and powersgd are
 hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
-(VARIANTS, ACCORDION): topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
+(VARIANTS, ACCORDION): sgp_overlap, sgp_mpi and sgp_overlap_mpi are SGP
+overlapping the next step, over MPI's point-to-point transport, and both
+(launch.GOSSIP_VARIANTS; the _mpi ones need --launcher=mpi); topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
 of the coordinates); onebit_oneway_b256 (onebit one-way with a scale per 256
 elements); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
@@ -103,6 +110,8 @@ VARIANTS = {
     "topk_4x": ("topk", dict(ratio=1 / 8)),
     # 1-bit Adam's setting that kept AdamW's accuracy on the transformer (2 ranks): one-way, a scale per 256 elements.
     "onebit_oneway_b256": ("onebit", dict(two_way=False, block_size=256)),
+    # SGP overlapping the next step, and either sending point to point (--launcher=mpi)
+    **launch.GOSSIP_VARIANTS,
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
@@ -124,7 +133,7 @@ flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc synta
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks, each a host of its own (--hosts replaces it).")
 flags.DEFINE_list("hosts", [], "Host layouts, e.g. 2x2 (2 hosts of 2 ranks sharing each host's link) or 3+2 "
                   "(netns.parse_layout); when given, instead of --ranks.")
-flags.DEFINE_list("methods", METHODS, f"Methods, of {METHODS}.")
+flags.DEFINE_list("methods", [m for m in METHODS if not m.endswith("_mpi")], f"Methods, of {METHODS}.")
 flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first one traces).")
@@ -137,6 +146,9 @@ flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads per ran
                      "start during the backward pass (docs/architecture.md, \"Buckets and overlap\").", lower_bound=1)
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
+flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start: gloo (Horovod's collectives over "
+                  "Gloo) or mpi (mpirun: Horovod's over MPI; the _mpi methods need it). Tables of an MPI launch are "
+                  "published apart (<table>_mpi).")
 flags.DEFINE_string("out", "results/wire.json", "launcher: the rows' JSON.")
 flags.DEFINE_string("method", None, "worker: the method.")
 flags.DEFINE_string("model", None, "worker: the model.")
@@ -170,7 +182,7 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
         "sgp": lambda opt, params: opt.pushsum.bytes_sent,
         # hierarchical: what crosses to other hosts (the rest stays on the host's loopback)
         **{name: (lambda opt, params: opt.compression_exchange.cross_host_bytes) for name in HIERARCHICAL},
-    }.get(method, lambda opt, params: opt.compression_exchange.bytes_sent)
+    }.get(VARIANTS.get(method, (method,))[0], lambda opt, params: opt.compression_exchange.bytes_sent)
     if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
         optimizer = hc.DistributedOptimizer(base_optimizer, **wrapper_kwargs)
         optimizer.compression_exchange.use_accordion(
@@ -209,7 +221,6 @@ def header_bytes():
 
 
 def worker():
-    socket.sethostname(os.environ["HOROVOD_HOSTNAME"])  # our own UTS namespace (unshare --uts)
     import hvd_compress as hc
     import tensorflow as tf
     from hvd_compress.exchange import allreduce_bytes
@@ -227,7 +238,7 @@ def worker():
         critical = opt.compression_exchange.monitor.critical
         critical.assign(tf.zeros_like(critical))
         step().numpy()
-    iface = os.environ["HOROVOD_GLOO_IFACE"]
+    iface = netns.IFACE
 
     hvd.allreduce(tf.zeros([1]), name="wire.before").numpy()
     before, times = interface_counters(iface), []
@@ -243,7 +254,7 @@ def worker():
     hvd.allreduce(tf.zeros([1]), name="wire.idle").numpy()
 
     params = int(sum(v.shape.num_elements() for v in model.trainable_variables))
-    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
+    pathlib.Path(FLAGS.result.format(rank=hvd.rank())).write_text(json.dumps(dict(
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
         cross_size=hvd.cross_size(),
@@ -261,7 +272,7 @@ def run_job(net, model, method):
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
-                                    inter_op_threads=FLAGS.inter_op_threads)
+                                    inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher)
 
 
 def summarize(rate, layout, model, method, ranks):
@@ -277,7 +288,7 @@ def summarize(rate, layout, model, method, ranks):
     accounted = statistics.fmean(r["accounted"] for r in ranks)
     one_rank_hosts = len(hosts) == len(ranks)  # else part of a rank's bytes stay on its host
     return dict(
-        rate=rate, layout=layout, model=model, ranks=len(ranks), hosts=len(hosts), method=method,
+        rate=rate, layout=layout, model=model, ranks=len(ranks), hosts=len(hosts), method=method, launcher=FLAGS.launcher,
         params=ranks[0]["params"], step_ms=max(r["step_ms"] for r in ranks), accounted=accounted,
         fp32_allreduce=statistics.fmean(r["fp32_allreduce"] for r in ranks),
         veth_tx_bytes=host_mean("tx_bytes"), veth_tx_packets=host_mean("tx_packets"),
@@ -307,8 +318,8 @@ def command_line():
                                methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
                                batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
                                inter_op_threads=FLAGS.inter_op_threads,
-                               slow_start_after_idle=FLAGS.slow_start_after_idle, timeout=FLAGS.timeout,
-                               out=FLAGS.out)
+                               slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
+                               timeout=FLAGS.timeout, out=FLAGS.out)
 
 
 def main(_):
@@ -316,6 +327,7 @@ def main(_):
         return worker()
     launch.check_names("wire.py", "methods", FLAGS.methods, METHODS)
     launch.check_names("wire.py", "models", FLAGS.models, MODELS)
+    launch.check_launcher("wire.py", FLAGS.methods, FLAGS.launcher)
     network_layouts = layouts()
     launch.prepare_network_run("wire.py", FLAGS.rates)
     quiet = launch.load_before()
@@ -370,7 +382,8 @@ def render(rows):
     models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
     note = (f"{models}, batch {r0['batch_size']} per rank; median step of the slowest "
             f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
-            f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}. Hosts: HxL is H "
+            f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}; "
+            f"{launch.launched(r0.get('launcher', 'gloo'))}. Hosts: HxL is H "
             f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step.")
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
@@ -389,8 +402,8 @@ def publish(rows):
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         several = any(r.get("hosts", r["ranks"]) < r["ranks"] for r in mine)
-        results.publish(f"wire_{model}_hosts" if several else f"wire_{model}", render(mine), results.command_line(),
-                        source=FLAGS.out)
+        name = f"wire_{model}_hosts" if several else f"wire_{model}"
+        results.publish(name + launch.table_suffix(mine[0]), render(mine), results.command_line(), source=FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,31 @@ def test_ranks_of_a_host_share_its_link_and_horovod_sees_the_layout(tmp_path):
     assert len(row["per_host_tx_bytes"]) == 2
     for tx in row["per_host_tx_bytes"]:  # one rank's ring bytes, not both ranks' (+ headers, control traffic)
         assert 0.97 < tx / row["accounted"] < 1.1, (row["per_host_tx_bytes"], row["accounted"], output)
+
+
+@pytest.mark.usefixtures("network_to_itself")
+@pytest.mark.timeout(300)
+def test_an_mpi_launch_gossips_point_to_point_over_the_shaped_links(tmp_path):
+    """--launcher=mpi on 3 hosts of one rank: mpirun's remote shell puts every rank in its host's namespace
+    under its host's name, Horovod runs over MPI, and SGP over MPI's point-to-point transport sends what it
+    accounts (one model a step to one peer) over each host's link."""
+    rows, output = run_wire(tmp_path, "--launcher=mpi", "--ranks=3", "--methods=horovod_fp32,sgp_overlap_mpi",
+                            "--steps=4", "--warmup=2", "--idle_s=0.5", "--timeout=200")
+    rows = {r["method"]: r for r in rows}
+    assert set(rows) == {"horovod_fp32", "sgp_overlap_mpi"}
+    for r in rows.values():
+        assert r["launcher"] == "mpi" and r["ranks"] == 3
+        assert [(p["hostname"], p["local_size"], p["cross_size"]) for p in r["per_rank"]] == [
+            (f"hc-ns{h}", 1, 3) for h in range(3)]
+    sgp = rows["sgp_overlap_mpi"]
+    assert sgp["accounted"] == 4 * (sgp["params"] + 1)  # one model and its PushSum weight, to one peer
+    assert abs(sgp["wire_vs_accounted"] - sgp["control_vs_accounted_est"]) < 0.05, output
+
+
+def test_point_to_point_gossip_without_an_mpi_launch_is_refused_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "wire.py"), "--methods=horovod_fp32,sgp_mpi",
+                           f"--out={tmp_path / 'wire.json'}"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode != 0
+    assert "methods ['sgp_mpi'] send point to point over MPI: add --launcher=mpi." in proc.stderr
+    assert wire_namespaces() == []
