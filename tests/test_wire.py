@@ -59,12 +59,14 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
     for method, r in rows.items():
         assert r["ranks"] == 2 and [p["hostname"] for p in r["per_rank"]] == ["hc-ns0", "hc-ns1"]
         assert [p["inter_op_threads"] for p in r["per_rank"]] == [2, 2]
-        # TCP payload on the veth (headers taken off per packet) vs what the exchange says it sends, less
-        # Horovod's own control traffic (its idle rate times the step time): the exchange does not send it,
-        # and slower steps carry more of it. On onebit's 0.5 MB a step it was +2.6% on a quiet machine,
-        # and the whole excess over the accounting reached +6.8% on a loaded 2-core CI machine.
-        unexplained = r["wire_vs_accounted"] - r["control_vs_accounted_est"]
-        assert abs(unexplained) < 0.05, (method, r["wire_vs_accounted"], r["control_vs_accounted_est"], output)
+        # TCP payload on the veth (headers taken off per packet) vs what the exchange says it sends: never
+        # less, and more by at most Horovod's own control traffic (estimated as its idle rate times the step
+        # time: the exchange does not send it, and slower steps carry more of it) and a margin. On onebit's
+        # 0.5 MB a step the excess was +2.6% on a quiet machine and reached +6.8% on a loaded 2-core CI
+        # machine; the estimate is high where the loop pauses its negotiation during collectives (+8.4%
+        # against +2.7% measured on another 2-core machine).
+        assert -0.02 < r["wire_vs_accounted"] < r["control_vs_accounted_est"] + 0.05, (
+            method, r["wire_vs_accounted"], r["control_vs_accounted_est"], output)
     fp32 = rows["horovod_fp32"]["accounted"]
     assert fp32 >= 20 * rows["onebit"]["accounted"]
     assert rows["fp16"]["accounted"] == fp32 / 2  # its alltoalls move a ring's bytes
