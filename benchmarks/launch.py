@@ -162,7 +162,7 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gl
     and its daemons' TCP stay on the shaped subnet. Horovod then runs its collectives over MPI, and
     PushSumOptimizer(transport="mpi") can send point to point. The ranks share this machine's few cores,
     and a rank waiting in MPI polls: mpi_yield_when_idle makes it yield the core while it waits (steps
-    1.2-1.8x longer without it on 4 ranks of 2 cores).
+    1.2-1.9x longer without it on 4 ranks of 2 cores).
 
     Every rank gets an equal share of the CPU cores for TensorFlow's intra-op threads, and
     `inter_op_threads` threads to run independent ops at once (with one, TensorFlow runs the backward pass

@@ -79,9 +79,12 @@ def check_restored_on_every_rank(resumed, uninterrupted, methods, formats, same_
             accuracy = resumed[0]["results"][key]["accuracy"]
             if method in NO_RANK_STATE and same_world:  # all of its state was in rank 0's file
                 assert accuracy == uninterrupted[method]["accuracy"], (key, accuracy, uninterrupted[method])
-            # At another world size the per-rank state starts afresh and the steps differ: on digits' 360 test
-            # images PowerSGD resumed from 3 ranks on 2 reached 0.956 here and 0.892 on another CPU (from 0.956).
-            floor = uninterrupted[method]["accuracy"] - 0.01 if same_world else 0.85
+            # Where per-rank state starts afresh the steps differ, and digits' 360 test images move by a few: on
+            # one 2-core CPU the same world's resumes ended within 0.01 of the uninterrupted run, on another
+            # (AMD EPYC) from -0.022 (1-bit Adam, a model file) to +0.014 (PowerSGD, a checkpoint). At another
+            # world size more differs: PowerSGD resumed from 3 ranks on 2 reached 0.956 on one CPU and 0.892 on
+            # another (from 0.956).
+            floor = uninterrupted[method]["accuracy"] - 0.03 if same_world else 0.85
             assert accuracy >= floor, (key, accuracy, uninterrupted[method]["accuracy"])
 
 
