@@ -52,11 +52,17 @@ def check_names(script, what, chosen, known):
         sys.exit(f"{script}: unknown {what} {unknown}; known: {list(known)}")
 
 
+def needs_mpi(method):
+    """Whether `method` sends point to point over MPI (a GOSSIP_VARIANTS entry with transport="mpi"), which only an
+    MPI launch allows."""
+    return GOSSIP_VARIANTS.get(method, (None, {}))[1].get("transport") == "mpi"
+
+
 def check_launcher(script, methods, launcher):
-    """Exits with the fix where a method sends point to point (GOSSIP_VARIANTS' _mpi) without an MPI launch."""
-    needs_mpi = [m for m in methods if m.endswith("_mpi")]
-    if needs_mpi and launcher != "mpi":
-        sys.exit(f"{script}: methods {needs_mpi} send point to point over MPI: add --launcher=mpi.")
+    """Exits with the fix where a method needs an MPI launch (needs_mpi) and the ranks are not launched with MPI."""
+    point_to_point = [m for m in methods if needs_mpi(m)]
+    if point_to_point and launcher != "mpi":
+        sys.exit(f"{script}: methods {point_to_point} send point to point over MPI: add --launcher=mpi.")
 
 
 def launched(launcher):

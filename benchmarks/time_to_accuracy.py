@@ -29,13 +29,13 @@ characters, each one sample. It has 0.43M parameters (1.7 MB of float32 gradient
 compute-bound on this machine's CPU cores at both rates: it shows what compression costs and keeps
 on today's workload, not what it saves on a slow link.
 
-`text` is today's optimizer on a model whose step the link decides: the next character of the same text from
+`text` is today's optimizer on a model with a large exchange: the next character of the same text from
 the TEXT_CONTEXT (24) characters before it, each embedded in 32 numbers, then a wide ReLU MLP (--layers' hidden
 widths: 768 -> 4096 -> 4096 -> 1024 -> the vocabulary, 24.2M parameters, 97 MB of float32 gradient), under
 the transformer's AdamW (peak 1e-3, warm-up into a cosine decay over the run, clipping) for 1 epoch; a window
 starts every 24 characters, so each character of the training text is a target once. Its step computes for
 about 0.6 s on one of this machine's cores (0.37 s forward and backward, the rest AdamW's update of 24M
-weights) and exchanges 97 MB at fp32, 0.8 s at 1 Gbit/s, so there the exchange is the larger part; unlike digits,
+weights; about 1.1 s with two ranks sharing the cores) and exchanges 97 MB at fp32, 0.8 s at 1 Gbit/s; unlike digits,
 its test set is 5,000 held-out characters (the last of the text), each one sample, so one sample moves an
 evaluation by 0.0002 (0.02 point). Compressed methods send at full precision for their first 10% of steps (as long as the learning rate's
 warm-up: 1-bit Adam's variance is frozen after it).
@@ -131,7 +131,7 @@ flags.DEFINE_float("compression_warmup", None, "The fraction of steps every comp
                    "first (hc.DistributedOptimizer's warmup_steps; transformer: 0.15, text: 0.1, digits: the "
                    "library's default).")
 flags.DEFINE_float("max_seconds", 1200, "Training-clock budget of a run, checked at evaluations.")
-flags.DEFINE_integer("eval_every", None, "Steps between two test evaluations (digits: 5, transformer: 20).")
+flags.DEFINE_integer("eval_every", None, "Steps between two test evaluations (digits: 5, transformer and text: 20).")
 flags.DEFINE_integer("sustained", 3, "The clock stops where the mean of this many consecutive evaluations reaches "
                      "the target.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights, the split and the data order.")

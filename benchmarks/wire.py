@@ -133,7 +133,7 @@ flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc synta
 flags.DEFINE_list("ranks", ["2", "4"], "Numbers of ranks, each a host of its own (--hosts replaces it).")
 flags.DEFINE_list("hosts", [], "Host layouts, e.g. 2x2 (2 hosts of 2 ranks sharing each host's link) or 3+2 "
                   "(netns.parse_layout); when given, instead of --ranks.")
-flags.DEFINE_list("methods", [m for m in METHODS if not m.endswith("_mpi")], f"Methods, of {METHODS}.")
+flags.DEFINE_list("methods", [m for m in METHODS if not launch.needs_mpi(m)], f"Methods, of {METHODS}.")
 flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first one traces).")
