@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 HOROVODRUN := $(VENV)/bin/horovodrun
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: setup demo text transformer test bench wire tta gpu-kernels gpu-harness clean
+.PHONY: setup demo text transformer test test-full bench wire tta gpu-kernels gpu-harness clean
 
 setup:
 	HVD_COMPRESS_STACK=$(STACK) HVD_COMPRESS_GPU=$(GPU) HVD_COMPRESS_VENV=$(VENV) ./scripts/setup.sh
@@ -30,6 +30,10 @@ transformer: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The full matrix: also the cases marked `full` (another Keras, world size or layout of a test the default run has).
+test-full: setup
+	$(PY) -m pytest --full
 
 bench: setup
 	$(PY) benchmarks/ops_throughput.py

@@ -1,5 +1,5 @@
 """Test settings shared by every test module: the environment, set before TensorFlow loads; the lock of the
-tests that build networks."""
+tests that build networks; the full matrix (--full), which the default run leaves out."""
 import fcntl
 import os
 import tempfile
@@ -8,6 +8,29 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+# `@pytest.mark.full` marks the cases of a matrix that repeat, on another Keras, world size or layout, what a
+# case of the default run already covers. `pytest --full` (`make test-full`) runs them too; the default run
+# (`make test`) skips them, to keep the suite short on 2 cores.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the full matrix: every Keras, world size and layout of the multi-rank tests "
+                          "(83 minutes on 2 AMD EPYC cores, where the default run took 52)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: a case of the full matrix, run only with --full")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="full matrix only: pytest --full (make test-full)")
+    for item in items:
+        if item.get_closest_marker("full"):
+            item.add_marker(skip)
 
 
 @pytest.fixture

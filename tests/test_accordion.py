@@ -126,6 +126,7 @@ def test_resume_keeps_the_detector_history_and_choices(tmp_path):
     assert all(full[0]["decisions"][0]["critical"])  # the drop at epoch 3
 
 
+@pytest.mark.full
 def test_accordion_trains_as_well_as_static_low_compression_with_fewer_bytes():
     """examples/keras_accordion.py, PowerSGD rank 4 <-> 1 on 2 ranks, same seeds and epochs: on the
     mean of 3 seeds within 1 point (one run alone moves by about a point: 360 test images); the

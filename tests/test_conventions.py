@@ -15,7 +15,8 @@ FORMATS = ["h5", "savedmodel", "weights", "checkpoint"]
 EPOCHS = 8
 
 
-@pytest.mark.parametrize("ranks, keras, callback", [(5, "tf_keras", "horovod"), (3, "keras3", "hvd_compress")])
+@pytest.mark.parametrize("ranks, keras, callback", [(5, "tf_keras", "horovod"),
+                                                    pytest.param(3, "keras3", "hvd_compress", marks=pytest.mark.full)])
 def test_horovod_broadcasts_never_overwrite_per_rank_state(ranks, keras, callback):
     """With the broadcast callback (Horovod's in tf_keras; hc.callbacks', which Keras 3 needs and tf_keras
     takes too: the same code in either) and hvd.broadcast_variables by hand."""
@@ -166,7 +167,7 @@ def test_elastic_training_replans_when_the_world_shrinks_and_grows(keras, hierar
 @pytest.mark.parametrize("world_sizes, flags", [
     # (2, 3 and 4 ranks: update rules in test_optimizer.py)
     ([4], ["--variants=two_way,two_way_blocks,one_way,fp16"]),
-    ([7], ["--variants=two_way,fp16", "--sizes=1,5,9,23,1031"]),  # 7 ranks share 2 cores here
+    pytest.param([7], ["--variants=two_way,fp16", "--sizes=1,5,9,23,1031"], marks=pytest.mark.full),  # 7 ranks, 2 cores
 ])
 def test_tiny_buckets_and_empty_shards_match_the_numpy_reference(world_sizes, flags):
     ranks = max(world_sizes)

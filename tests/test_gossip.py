@@ -100,7 +100,7 @@ def test_max_drift_bounds_how_far_ranks_run_ahead_of_a_straggler():
         assert r["none"]["digest"] == r["1"]["digest"]
 
 
-@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("keras", ["keras3", pytest.param("tf_keras", marks=pytest.mark.full)])
 def test_consensus_callback_averages_the_ranks_at_fit_end_and_before_each_validation(keras):
     """model.fit under an MPI launch at 3 ranks: SGP over point-to-point gossip with overlap, validation data,
     hc.callbacks.Consensus, then what users put after it (a rank-0 ModelCheckpoint, EarlyStopping)."""

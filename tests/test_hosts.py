@@ -6,7 +6,8 @@ import pytest
 from hvdrun import KERASES, run_hosts
 
 
-@pytest.mark.parametrize("ranks_per_host", [(2,), (1, 1), (2, 2), (3, 3)], ids=["1x2", "2x1", "2x2", "2x3"])
+@pytest.mark.parametrize("ranks_per_host", [(2,), (1, 1), (2, 2), pytest.param((3, 3), marks=pytest.mark.full)],
+                         ids=["1x2", "2x1", "2x2", "2x3"])
 def test_hierarchical_rules_match_the_numpy_reference_on_every_rank(ranks_per_host):
     """onebit (two-way; one-way in blocks), top-k, random-k, PowerSGD (whole tensors to one rank of a host), the
     quantizer (4 bits stochastic, 8 bits rounded without feedback), sketched SGD and FetchSGD (on each rank's shard),

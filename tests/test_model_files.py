@@ -2,17 +2,18 @@
 keras.models.load_model and with hc.load_model, and trains on (workers/model_files.py).
 
 Three launches: Keras 3 on 2 ranks under mixed_float16, tf_keras on 2 ranks under mixed_float16 and
-on 3 hosts of one rank in float32 with hierarchical=True, each giving every optimizer class of keras.optimizers (and a registered
-subclass with an argument of its own) one of the four methods, rotated over the launches: every
-class meets three methods, and every method several classes in each Keras (a method it meets in
-one Keras only goes through the same wrapper code in the other)."""
+on 3 hosts of one rank in float32 with hierarchical=True (that one with pytest --full only), each giving
+every optimizer class of keras.optimizers (and a registered subclass with an argument of its own) one of
+the four methods, rotated over the launches: every class meets three methods (two without --full), and
+every method several classes in each Keras (a method it meets in one Keras only goes through the same
+wrapper code in the other)."""
 import pytest
 
 from hvdrun import KERASES, run_hosts, run_ranks
 
 #: (Keras, ranks, policy, rotation, hierarchical)
 LAUNCHES = [("keras3", 2, "mixed_float16", 0, False), ("tf_keras", 2, "mixed_float16", 1, False),
-            ("tf_keras", 3, "float32", 2, True)]
+            pytest.param(("tf_keras", 3, "float32", 2, True), marks=pytest.mark.full)]
 
 
 @pytest.fixture(scope="module", params=LAUNCHES,
