@@ -16,8 +16,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
-                     help="also run the full matrix: every Keras, world size and layout of the multi-rank tests "
-                          "(83 minutes on 2 AMD EPYC cores, where the default run took 52)")
+                     help="also run the full matrix: every Keras, world size and layout of the multi-rank tests")
 
 
 def pytest_configure(config):

@@ -14,8 +14,7 @@ ROWS = ["mixed_float16", "explicit_loss_scale", "mixed_bfloat16", "float16_varia
         "embedding", "unused_layer", "clipnorm", "global_clipnorm"]  # as in workers/keras_features.py
 
 
-@pytest.fixture(scope="module", params=[pytest.param(keras, marks=[pytest.mark.full] if keras == "tf_keras" else [])
-                                        for keras in KERASES])
+@pytest.fixture(scope="module", params=["keras3", pytest.param("tf_keras", marks=pytest.mark.full)])
 def keras(request):
     """Each Keras; tf_keras's matrix with pytest --full only (the default run has tf_keras's mixed precision,
     loss scaling and model files in test_model_files.py and test_checkpoint.py)."""
