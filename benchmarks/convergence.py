@@ -4,6 +4,14 @@
     .venv/bin/python benchmarks/convergence.py            # digits: 2 ranks, 16 epochs, seed 0
     .venv/bin/python benchmarks/convergence.py --task=transformer   # 2 ranks, 3 epochs, seeds 0, 1, 2 (about an hour)
 
+    .venv/bin/python benchmarks/convergence.py --task=text --launcher=mpi --ranks=3 \
+        --text_methods=none,sgp,sgp_overlap_mpi        # the character model, SGD; SGP point to point
+
+The text task runs examples/keras_text.py (the character model with an Embedding under mixed_float16,
+momentum SGD) for every method and seed, launched with Gloo or MPI (--launcher; SGP's point-to-point
+variants need MPI): mean and per-seed test accuracy against none's (allreduce SGD) and bytes per step
+(table convergence_text_<n>ranks, _mpi when launched with MPI).
+
 The transformer task runs examples/keras_transformer.py (--method=<name>: AdamW with a warm-up into
 a cosine decay, clipping, mixed_float16; onebit is 1-bit Adam there) for every method and seed and
 writes the mean and every seed's test accuracy, the difference to none's (uncompressed AdamW) and
@@ -25,11 +33,15 @@ import launch
 import results
 from hvd_compress import methods as registry
 
-flags.DEFINE_enum("task", "digits", ["digits", "transformer"], "The task.")
+flags.DEFINE_enum("task", "digits", ["digits", "transformer", "text"], "The task.")
+flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start (text: mpi for SGP's point-to-point "
+                  "variants).")
 flags.DEFINE_integer("ranks", 2, "Ranks.")
 flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3).")
 flags.DEFINE_integer("seed", 0, "Seed of every run (digits).")
-flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer).")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer, text).")
+flags.DEFINE_list("text_methods", ["none", "sgp", "sgp_overlap"],
+                  "Methods of the text task: names of hc.methods, or of launch.GOSSIP_VARIANTS (SGP's variants).")
 flags.DEFINE_list("transformer_methods", ["none", "onebit", "onebit_oneway_b256", "onebit_oneway_b256_wu10",
                                           "onebit_oneway_b256_wu6", "topk", "powersgd", "topk_10pct", "powersgd_rank16",
                                           "randomk_10pct"],
@@ -83,24 +95,82 @@ def transformer(_):
     """Every method and seed on examples/keras_transformer.py; the table convergence_transformer."""
     launch.check_names("convergence.py", "transformer_methods", FLAGS.transformer_methods,
                        [name for name in registry.NAMES if name != "sgp"] + list(TRANSFORMER_VARIANTS))
-    runs = {}
-    for method in FLAGS.transformer_methods:
-        method_flags = TRANSFORMER_VARIANTS.get(method, [f"--method={method}"])
-        runs[method] = [launch.run_example("keras_transformer.py", FLAGS.ranks, [
-            *method_flags, f"--epochs={FLAGS.epochs or 3}", f"--seed={seed}"], timeout=2400)
-            for seed in FLAGS.seeds]
-        print(f"{method}: test accuracy {[r['test_accuracy'] for r in runs[method]]}, "
-              f"{runs[method][0]['bytes_per_step']:,.0f} B/step", flush=True)
+    runs = run_seeds("keras_transformer.py", {method: TRANSFORMER_VARIANTS.get(method, [f"--method={method}"])
+                                              for method in FLAGS.transformer_methods}, FLAGS.epochs or 3, timeout=2400)
     print(render_transformer(runs))
     results.save(out(), runs)
     publish_transformer(runs)
+
+
+def text(_):
+    """Every method and seed on examples/keras_text.py; the table convergence_text_<n>ranks(_mpi)."""
+    launch.check_names("convergence.py", "text_methods", FLAGS.text_methods,
+                       [*registry.NAMES, *launch.GOSSIP_VARIANTS])
+    launch.check_launcher("convergence.py", FLAGS.text_methods, FLAGS.launcher)
+    def method_flags(method):
+        name, arguments = launch.GOSSIP_VARIANTS.get(method, (method, {}))
+        return [f"--method={name}", *(f"--{flag}={value}" for flag, value in arguments.items())]
+
+    runs = run_seeds("keras_text.py", {method: method_flags(method) for method in FLAGS.text_methods},
+                     FLAGS.epochs or 2, json_flag="result", launcher=FLAGS.launcher)
+    for r in (r for seeds in runs.values() for r in seeds):
+        r["launcher"] = FLAGS.launcher
+    print(render_text(runs))
+    results.save(out(), runs)
+    publish_text(runs)
+
+
+def run_seeds(script, methods, epochs, **run_example_kwargs):
+    """{method: rank 0's JSON of each seed}: examples/<script> on --ranks ranks for every method (name -> the
+    example's flags) and seed of --seeds, for `epochs`."""
+    runs = {}
+    for method, method_flags in methods.items():
+        runs[method] = [launch.run_example(script, FLAGS.ranks, [*method_flags, f"--epochs={epochs}", f"--seed={seed}"],
+                                           **run_example_kwargs) for seed in FLAGS.seeds]
+        print(f"{method}: test accuracy {[r['test_accuracy'] for r in runs[method]]}, "
+              f"{runs[method][0]['bytes_per_step']:,.0f} B/step", flush=True)
+    return runs
+
+
+#: the headers of seed_columns' first four columns (the last two: bytes, named by the table)
+SEED_COLUMNS = ["method", "mean test accuracy", "per seed", "points vs none"]
+
+
+def seed_columns(runs):
+    """Per method of run_seeds' runs: its name, mean and per-seed test accuracy, points against none's, bytes one
+    worker sends per step (after any full-precision steps) and none's over them."""
+    baseline = runs.get(BASELINE)
+    mean = {method: sum(r["test_accuracy"] for r in seeds) / len(seeds) for method, seeds in runs.items()}
+    return {method: [method, f"{mean[method]:.4f}", ", ".join(f"{r['test_accuracy']:.4f}" for r in seeds),
+                     f"{100 * (mean[method] - mean[BASELINE]):+.2f}" if baseline else "-",
+                     results.count(seeds[0]["bytes_per_step"]),
+                     f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-"]
+            for method, seeds in runs.items()}
+
+
+def render_text(runs):
+    """Mean and per-seed test accuracy, points against none's (allreduce SGD), bytes per step."""
+    first = next(iter(runs.values()))[0]
+    note = (f"character model with an Embedding (examples/keras_text.py), {first['parameters']:,} parameters, "
+            f"{first['ranks']} ranks {launch.launched(first['launcher'])}, {first['steps']} steps, {first['policy']}, "
+            f"SGD with Nesterov momentum; sgp: PushSumOptimizer (the consensus model, averaged once at fit's end), "
+            f"_overlap with each message mixed in a step later, _mpi sent point to point. Bytes: what one worker "
+            f"sends per step.")
+    table = results.markdown_table([*SEED_COLUMNS, "bytes/step/worker", "none / method"],
+                                   list(seed_columns(runs).values()))
+    return f"{note}\n\n{table}"
+
+
+def publish_text(runs):
+    first = next(iter(runs.values()))[0]
+    results.publish(f"convergence_text_{first['ranks']}ranks{launch.table_suffix(first)}", render_text(runs),
+                    results.command_line(), source=out())
 
 
 def render_transformer(runs):
     """Mean and per-seed test accuracy, points against none's (uncompressed AdamW), bytes per step."""
     first = next(iter(runs.values()))[0]
     baseline = runs.get(BASELINE)
-    mean = {method: sum(r["test_accuracy"] for r in seeds) / len(seeds) for method, seeds in runs.items()}
     note = (f"causal transformer (examples/keras_transformer.py), {first['parameters']:,} parameters, {first['ranks']} "
             f"ranks, {first['steps']} steps, {first['policy']}, AdamW with a warm-up into a cosine decay and "
             f"global-norm clipping; the compressed methods start after 15% of the steps at full precision (onebit: "
@@ -111,16 +181,12 @@ def render_transformer(runs):
             f"topk_10pct, randomk_10pct and powersgd_rank16 at 10% and rank 16. Accuracy: next-character accuracy on "
             f"65,000 held-out characters; bytes: what one worker sends per step after the full-precision steps, and "
             f"over the whole run with them.")
-    rows = [[method, f"{mean[method]:.4f}", ", ".join(f"{r['test_accuracy']:.4f}" for r in seeds),
-             f"{100 * (mean[method] - mean[BASELINE]):+.2f}" if baseline else "-",
-             results.count(seeds[0]["bytes_per_step"]),
-             f"{baseline[0]['bytes_per_step'] / seeds[0]['bytes_per_step']:.1f}x" if baseline else "-",
-             f"{seeds[0]['bytes_per_run'] / 1e6:,.1f}" if "bytes_per_run" in seeds[0] else "-",
+    columns = seed_columns(runs)
+    rows = [[*columns[method], f"{seeds[0]['bytes_per_run'] / 1e6:,.1f}" if "bytes_per_run" in seeds[0] else "-",
              f"{baseline[0]['bytes_per_run'] / seeds[0]['bytes_per_run']:.1f}x"
              if baseline and "bytes_per_run" in seeds[0] else "-"]
             for method, seeds in runs.items()]
-    table = results.markdown_table(["method", "mean test accuracy", "per seed", "points vs none",
-                                    "bytes/compressed step/worker", "none / method, compressed step",
+    table = results.markdown_table([*SEED_COLUMNS, "bytes/compressed step/worker", "none / method, compressed step",
                                     "MB per run/worker", "none / method, run"], rows)
     return f"{note}\n\n{table}"
 
@@ -130,15 +196,18 @@ def publish_transformer(runs):
 
 
 def out():
-    """--out, or for the transformer task with --out left at its default, results/convergence_transformer.json."""
-    if FLAGS.task == "transformer" and FLAGS["out"].using_default_value:
+    """--out, or with --out left at its default, results/convergence_transformer.json for the transformer task
+    and results/convergence_text_<n>ranks(_mpi).json for the text task."""
+    if FLAGS["out"].using_default_value and FLAGS.task == "transformer":
         return "results/convergence_transformer.json"
+    if FLAGS["out"].using_default_value and FLAGS.task == "text":
+        return f"results/convergence_text_{FLAGS.ranks}ranks{'_mpi' if FLAGS.launcher == 'mpi' else ''}.json"
     return FLAGS.out
 
 
 def main(_):
-    if FLAGS.task == "transformer":
-        return transformer(_)
+    if FLAGS.task != "digits":
+        return {"transformer": transformer, "text": text}[FLAGS.task](_)
     launch.check_names("convergence.py", "methods", FLAGS.methods,
                        [*(name for name in registry.NAMES if not name.startswith("horovod_")), *OTHER_RUNS])
     runs = {}
@@ -179,5 +248,5 @@ def publish(runs):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: publish_transformer(results.load(out())) if FLAGS.publish_only and FLAGS.task == "transformer"
-            else results.run(main, publish)(argv))
+    app.run(lambda argv: {"transformer": publish_transformer, "text": publish_text}[FLAGS.task](results.load(out()))
+            if FLAGS.publish_only and FLAGS.task != "digits" else results.run(main, publish)(argv))

@@ -142,11 +142,13 @@ def warm_step(keras, model, optimizer, batch_size, warmup=3):
     return step
 
 
-def run_example(script, ranks, flags, timeout=1200):
-    """Runs examples/<script> on `ranks` local Gloo ranks with --history; rank 0's history."""
+def run_example(script, ranks, flags, timeout=1200, json_flag="history", launcher="gloo"):
+    """Runs examples/<script> on `ranks` local ranks (launched with Gloo or MPI) with --<json_flag> (its
+    history, or keras_text.py's result); the JSON rank 0 wrote. Under MPI, ranks yield the core while they
+    wait (run_in_namespaces)."""
     examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
-    return _run_for_json(examples / script, ranks, flags, "history",
-                         dict(PYTHONPATH=str(examples), TF_CPP_MIN_LOG_LEVEL="2"), timeout)
+    env = dict(PYTHONPATH=str(examples), TF_CPP_MIN_LOG_LEVEL="2", OMPI_MCA_mpi_yield_when_idle="1")
+    return _run_for_json(examples / script, ranks, flags, json_flag, env, timeout, launcher)
 
 
 # -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------

@@ -2,6 +2,7 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_text.py --method onebit
     horovodrun -np 2 -H localhost:2 --gloo python examples/keras_text.py --method horovod_fp16
+    horovodrun -np 3 -H localhost:3 --mpi python examples/keras_text.py --method sgp --transport mpi --overlap
 
 The text is Python's own documentation, which ships with every Python (`pydoc_data.topics`):
 no download. The model predicts the next character from the previous CONTEXT characters:
@@ -9,10 +10,12 @@ Embedding -> Dense -> Dense. Under the `mixed_float16` policy (default) `compile
 the optimizer in a LossScaleOptimizer. --method picks the exchange by its name in
 hvd_compress's registry, hc.methods (its defaults; the flags below change some): `onebit`
 (two-way dist-EF-SGD), `onebit_oneway`, `quantize8`, `quantize4`, `topk`, `randomk`,
-`powersgd`, `sketch` (sketched SGD), `fetchsgd`, `none`, `fp16`, or Horovod's own
+`powersgd`, `sketch` (sketched SGD), `fetchsgd`, `none`, `fp16`, Horovod's own
 DistributedOptimizer, `horovod_fp16` (with Compression.fp16, the usual baseline) or
-`horovod_fp32`. Rank 0 prints the test accuracy and the bytes each worker sent per step;
---result writes them as JSON.
+`horovod_fp32`, or `sgp`: hc.PushSumOptimizer's gossip instead of an average (--transport
+mpi sends point to point and needs an MPI launch; --overlap mixes each message in one step
+later), whose ranks are averaged once at the end of fit (hc.callbacks.Consensus). Rank 0
+prints the test accuracy and the bytes each worker sent per step; --result writes them as JSON.
 """
 import os
 
@@ -30,9 +33,7 @@ import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 from pydoc_text import character_codes, next_character  # noqa: E402
 
-#: hc.methods' names but gossip (sgp: examples/keras_digits.py)
-METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
-flags.DEFINE_enum("method", "onebit", METHODS, "How gradients are exchanged: a method of hc.methods.")
+flags.DEFINE_enum("method", "onebit", hc.methods.NAMES, "How gradients are exchanged: a method of hc.methods.")
 flags.DEFINE_string("policy", "mixed_float16", "Keras mixed-precision policy.")
 flags.DEFINE_integer("epochs", 2, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Batch size per rank.")
@@ -47,6 +48,9 @@ flags.DEFINE_bool("apply_candidates", None, "sketch: apply every candidate's exa
 flags.DEFINE_bool("mask_momentum", None, "sketch: zero the momentum where the update was applied.")
 flags.DEFINE_bool("stochastic", None, "quantize8, quantize4: stochastic rounding (False: to the nearest level).")
 flags.DEFINE_bool("error_feedback", None, "quantize8, quantize4: keep worker and server residuals.")
+flags.DEFINE_enum("transport", None, ["alltoall", "mpi"], "sgp: how the gossip travels (mpi: point to point, under "
+                  "an MPI launch; default alltoall).")
+flags.DEFINE_bool("overlap", None, "sgp: mix each step's messages in one step later (default False).")
 flags.DEFINE_integer("seed", 0, "Seed for the initial weights and shuffling.")
 flags.DEFINE_string("result", None, "Where rank 0 writes accuracy and bytes (JSON).")
 FLAGS = flags.FLAGS
@@ -81,6 +85,8 @@ FLAG_ARGUMENTS = {
     "seed": ("seed", ("sketch", "fetchsgd")),
     "stochastic": ("stochastic", ("quantize8", "quantize4")),
     "error_feedback": ("error_feedback", ("quantize8", "quantize4")),
+    "transport": ("transport", ("sgp",)),
+    "overlap": ("overlap", ("sgp",)),
 }
 
 
@@ -109,15 +115,18 @@ def main(_):
     optimizer = optimizer_for(keras)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
+    gossip = FLAGS.method == "sgp"
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    callbacks += [hc.callbacks.Consensus()] if gossip else []  # the ranks' average once fit ends: the model to test
     model.fit(x[mine], y[mine], batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, shuffle=True,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)], verbose=2 if hvd.rank() == 0 else 0)
+              callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0, batch_size=1024)
     if FLAGS.method.startswith("horovod_"):  # Horovod's ring allreduce of every gradient in 16 or 32 bits
         sent = allreduce_bytes((2 if FLAGS.method == "horovod_fp16" else 4) * model.count_params(), hvd.size())
     else:
-        sent = optimizer.compression_exchange.bytes_sent
-    result = dict(method=FLAGS.method, policy=FLAGS.policy, ranks=hvd.size(), test_accuracy=float(accuracy),
-                  bytes_per_step=float(sent), loss_scale_optimizer=type(model.optimizer).__name__,
+        sent = optimizer.pushsum.bytes_sent if gossip else optimizer.compression_exchange.bytes_sent
+    result = dict(method=FLAGS.method, arguments=overrides(), policy=FLAGS.policy, ranks=hvd.size(),
+                  test_accuracy=float(accuracy), bytes_per_step=float(sent), steps=steps * FLAGS.epochs, loss_scale_optimizer=type(model.optimizer).__name__,
                   parameters=int(model.count_params()))
     if hvd.rank() == 0:
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
