@@ -27,6 +27,8 @@ draws docs/img/convergence.png (test accuracy against bytes and epochs).
 SGP's per-epoch accuracy is rank 0's own model; its final one the consensus.
 """
 
+import sys
+
 from absl import app, flags
 
 import launch
@@ -34,10 +36,10 @@ import results
 from hvd_compress import methods as registry
 
 flags.DEFINE_enum("task", "digits", ["digits", "transformer", "text"], "The task.")
-flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start (text: mpi for SGP's point-to-point "
-                  "variants).")
+flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the text task's ranks start (mpi for SGP's "
+                  "point-to-point variants; the other tasks launch with Gloo).")
 flags.DEFINE_integer("ranks", 2, "Ranks.")
-flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3).")
+flags.DEFINE_integer("epochs", None, "Epochs of every run (digits: 16, transformer: 3, text: 2).")
 flags.DEFINE_integer("seed", 0, "Seed of every run (digits).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of every run (transformer, text).")
 flags.DEFINE_list("text_methods", ["none", "sgp", "sgp_overlap"],
@@ -107,26 +109,21 @@ def text(_):
     launch.check_names("convergence.py", "text_methods", FLAGS.text_methods,
                        [*registry.NAMES, *launch.GOSSIP_VARIANTS])
     launch.check_launcher("convergence.py", FLAGS.text_methods, FLAGS.launcher)
-    def method_flags(method):
-        name, arguments = launch.GOSSIP_VARIANTS.get(method, (method, {}))
-        return [f"--method={name}", *(f"--{flag}={value}" for flag, value in arguments.items())]
-
-    runs = run_seeds("keras_text.py", {method: method_flags(method) for method in FLAGS.text_methods},
+    runs = run_seeds("keras_text.py", {method: launch.example_flags(method) for method in FLAGS.text_methods},
                      FLAGS.epochs or 2, json_flag="result", launcher=FLAGS.launcher)
-    for r in (r for seeds in runs.values() for r in seeds):
-        r["launcher"] = FLAGS.launcher
     print(render_text(runs))
     results.save(out(), runs)
     publish_text(runs)
 
 
 def run_seeds(script, methods, epochs, **run_example_kwargs):
-    """{method: rank 0's JSON of each seed}: examples/<script> on --ranks ranks for every method (name -> the
-    example's flags) and seed of --seeds, for `epochs`."""
+    """{method: rank 0's JSON of each seed, with the launcher}: examples/<script> on --ranks ranks for every method
+    (name -> the example's flags) and seed of --seeds, for `epochs`."""
     runs = {}
     for method, method_flags in methods.items():
-        runs[method] = [launch.run_example(script, FLAGS.ranks, [*method_flags, f"--epochs={epochs}", f"--seed={seed}"],
-                                           **run_example_kwargs) for seed in FLAGS.seeds]
+        runs[method] = [dict(launch.run_example(script, FLAGS.ranks, [*method_flags, f"--epochs={epochs}",
+                                                                      f"--seed={seed}"], **run_example_kwargs),
+                             launcher=run_example_kwargs.get("launcher", "gloo")) for seed in FLAGS.seeds]
         print(f"{method}: test accuracy {[r['test_accuracy'] for r in runs[method]]}, "
               f"{runs[method][0]['bytes_per_step']:,.0f} B/step", flush=True)
     return runs
@@ -152,7 +149,8 @@ def render_text(runs):
     """Mean and per-seed test accuracy, points against none's (allreduce SGD), bytes per step."""
     first = next(iter(runs.values()))[0]
     note = (f"character model with an Embedding (examples/keras_text.py), {first['parameters']:,} parameters, "
-            f"{first['ranks']} ranks {launch.launched(first['launcher'])}, {first['steps']} steps, {first['policy']}, "
+            f"{first['ranks']} ranks {launch.launched(first.get('launcher', 'gloo'))}, {first['steps']} steps, "
+            f"{first['policy']}, "
             f"SGD with Nesterov momentum; sgp: PushSumOptimizer (the consensus model, averaged once at fit's end), "
             f"_overlap with each message mixed in a step later, _mpi sent point to point. Bytes: what one worker "
             f"sends per step.")
@@ -206,6 +204,9 @@ def out():
 
 
 def main(_):
+    if FLAGS.task != "text" and FLAGS.launcher != "gloo":
+        sys.exit(f"convergence.py: --launcher={FLAGS.launcher} applies to --task=text only; the {FLAGS.task} task "
+                 "launches with Gloo: drop --launcher.")
     if FLAGS.task != "digits":
         return {"transformer": transformer, "text": text}[FLAGS.task](_)
     launch.check_names("convergence.py", "methods", FLAGS.methods,

@@ -45,6 +45,13 @@ def optimizer(hc, method, base_optimizer, variants=None, **wrapper_kwargs):
     return hc.methods.distributed_optimizer(name, base_optimizer, overrides=overrides, **wrapper_kwargs)
 
 
+def example_flags(method):
+    """The flags of examples/keras_text.py that run `method`: a name of hc.methods, or a GOSSIP_VARIANTS entry
+    (--method=sgp and its arguments as flags)."""
+    name, arguments = GOSSIP_VARIANTS.get(method, (method, {}))
+    return [f"--method={name}", *(f"--{argument}={value}" for argument, value in arguments.items())]
+
+
 def check_names(script, what, chosen, known):
     """Exits with status 1 and a message where `chosen` (names of methods, models...) holds one not in `known`."""
     unknown = sorted(set(chosen) - set(known))

@@ -24,10 +24,11 @@ and --models do not apply here.
 Three tasks (--task). `transformer` (the default) is examples/keras_transformer.py's causal
 transformer on Python's documentation, in float32, with AdamW on a warm-up into a cosine decay and
 clipping, for --epochs 3; every compressed method sends at full precision for its first 10%
-of steps, as long as the learning rate's warm-up (--compression_warmup; onebit is 1-bit Adam there). Its test set is 65,000 held-out
-characters, each one sample. It has 0.43M parameters (1.7 MB of float32 gradient), so its step is
-compute-bound on this machine's CPU cores at both rates: it shows what compression costs and keeps
-on today's workload, not what it saves on a slow link.
+of steps, as long as the learning rate's warm-up (--compression_warmup; onebit is 1-bit Adam
+there). Its test set is 65,000 held-out characters, each one sample. It has 0.43M parameters
+(1.7 MB of float32 gradient), so its step is compute-bound on this machine's CPU cores at both
+rates: it shows what compression costs and keeps on today's workload, not what it saves on a slow
+link.
 
 `text` is today's optimizer on a model with a large exchange: the next character of the same text from
 the TEXT_CONTEXT (24) characters before it, each embedded in 32 numbers, then a wide ReLU MLP (--layers' hidden

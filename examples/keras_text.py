@@ -126,8 +126,8 @@ def main(_):
     else:
         sent = optimizer.pushsum.bytes_sent if gossip else optimizer.compression_exchange.bytes_sent
     result = dict(method=FLAGS.method, arguments=overrides(), policy=FLAGS.policy, ranks=hvd.size(),
-                  test_accuracy=float(accuracy), bytes_per_step=float(sent), steps=steps * FLAGS.epochs, loss_scale_optimizer=type(model.optimizer).__name__,
-                  parameters=int(model.count_params()))
+                  test_accuracy=float(accuracy), bytes_per_step=float(sent), steps=steps * FLAGS.epochs,
+                  loss_scale_optimizer=type(model.optimizer).__name__, parameters=int(model.count_params()))
     if hvd.rank() == 0:
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
         if FLAGS.result:

@@ -201,6 +201,7 @@ def test_the_text_example_with_an_embedding_trains_under_mixed_float16_like_horo
     results = {}
     for method, (launcher, flags) in TEXT_RUNS.items():
         out = tmp_path / f"{method}.json"
+        # the plain horovodrun, as a user runs it (tests/horovodrun_checked.py)
         cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", f"--{launcher}", sys.executable,
                str(TESTS.parent / "examples" / "keras_text.py"), *flags, "--train_chars=150000", f"--result={out}"]
         # oneDNN's float16 kernels: 303 ms a step on this machine's CPU (AVX512-FP16, AMX) under TF
