@@ -116,14 +116,14 @@ def text(_):
     publish_text(runs)
 
 
-def run_seeds(script, methods, epochs, **run_example_kwargs):
-    """{method: rank 0's JSON of each seed, with the launcher}: examples/<script> on --ranks ranks for every method
-    (name -> the example's flags) and seed of --seeds, for `epochs`."""
+def run_seeds(script, methods, epochs, launcher="gloo", **run_example_kwargs):
+    """{method: rank 0's JSON of each seed, with the launcher}: examples/<script> on --ranks ranks launched with
+    `launcher` for every method (name -> the example's flags) and seed of --seeds, for `epochs`."""
     runs = {}
     for method, method_flags in methods.items():
         runs[method] = [dict(launch.run_example(script, FLAGS.ranks, [*method_flags, f"--epochs={epochs}",
-                                                                      f"--seed={seed}"], **run_example_kwargs),
-                             launcher=run_example_kwargs.get("launcher", "gloo")) for seed in FLAGS.seeds]
+                                                                      f"--seed={seed}"], launcher=launcher,
+                                                **run_example_kwargs), launcher=launcher) for seed in FLAGS.seeds]
         print(f"{method}: test accuracy {[r['test_accuracy'] for r in runs[method]]}, "
               f"{runs[method][0]['bytes_per_step']:,.0f} B/step", flush=True)
     return runs
@@ -196,19 +196,19 @@ def publish_transformer(runs):
 def out():
     """--out, or with --out left at its default, results/convergence_transformer.json for the transformer task
     and results/convergence_text_<n>ranks(_mpi).json for the text task."""
-    if FLAGS["out"].using_default_value and FLAGS.task == "transformer":
+    if not FLAGS["out"].using_default_value or FLAGS.task == "digits":
+        return FLAGS.out
+    if FLAGS.task == "transformer":
         return "results/convergence_transformer.json"
-    if FLAGS["out"].using_default_value and FLAGS.task == "text":
-        return f"results/convergence_text_{FLAGS.ranks}ranks{'_mpi' if FLAGS.launcher == 'mpi' else ''}.json"
-    return FLAGS.out
+    return f"results/convergence_text_{FLAGS.ranks}ranks{'_mpi' if FLAGS.launcher == 'mpi' else ''}.json"
 
 
 def main(_):
     if FLAGS.task != "text" and FLAGS.launcher != "gloo":
         sys.exit(f"convergence.py: --launcher={FLAGS.launcher} applies to --task=text only; the {FLAGS.task} task "
                  "launches with Gloo: drop --launcher.")
-    if FLAGS.task != "digits":
-        return {"transformer": transformer, "text": text}[FLAGS.task](_)
+    if FLAGS.task in TASKS:
+        return TASKS[FLAGS.task][0](_)
     launch.check_names("convergence.py", "methods", FLAGS.methods,
                        [*(name for name in registry.NAMES if not name.startswith("horovod_")), *OTHER_RUNS])
     runs = {}
@@ -248,6 +248,9 @@ def publish(runs):
     results.publish(f"convergence_{ranks}ranks", render(runs), results.command_line(), source=FLAGS.out)
 
 
+#: the tasks besides digits: name -> (its run, its publishing from the saved runs)
+TASKS = {"transformer": (transformer, publish_transformer), "text": (text, publish_text)}
+
 if __name__ == "__main__":
-    app.run(lambda argv: {"transformer": publish_transformer, "text": publish_text}[FLAGS.task](results.load(out()))
-            if FLAGS.publish_only and FLAGS.task != "digits" else results.run(main, publish)(argv))
+    app.run(lambda argv: TASKS[FLAGS.task][1](results.load(out())) if FLAGS.publish_only and FLAGS.task in TASKS
+            else results.run(main, publish)(argv))
