@@ -32,6 +32,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def full_matrix(request):
+    """True under `pytest --full`: for a launch that covers a matrix inside one worker, the whole cross product
+    instead of the default run's rotation, in which every pair of factors still meets."""
+    return request.config.getoption("--full")
+
+
 @pytest.fixture
 def network_to_itself():
     """For tests that run a benchmark on its network namespaces (hc-wire-*, benchmarks/netns.py): one at a time

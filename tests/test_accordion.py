@@ -54,10 +54,17 @@ def test_adaptive_compression_needs_the_regime_of_every_variable():
 
 
 @pytest.fixture(scope="module")
-def tf_keras_checks():
-    """workers/accordion.py's rules, fit and batch checks in one tf_keras launch on 2 ranks:
-    per-rank {check: results}."""
-    return run_ranks("accordion.py", "--checks=rules,fit,batch", np=2, timeout=400, env=KERASES["tf_keras"])
+def checkpoint_dir(tmp_path_factory):
+    """Where the checkpoint check's uninterrupted run saves, for the resumed run."""
+    return tmp_path_factory.mktemp("accordion")
+
+
+@pytest.fixture(scope="module")
+def tf_keras_checks(checkpoint_dir):
+    """workers/accordion.py's rules, fit and batch checks, and the checkpoint check's uninterrupted run, in one
+    tf_keras launch on 2 ranks: per-rank {check: results}."""
+    return run_ranks("accordion.py", "--checks=rules,fit,batch,checkpoint", "--phase=full",
+                     f"--work_dir={checkpoint_dir}", np=2, timeout=400, env=KERASES["tf_keras"])
 
 
 def test_switching_keeps_error_feedback_and_matches_numpy(tf_keras_checks):
@@ -115,12 +122,13 @@ def test_batch_size_variant_follows_the_linear_rule_and_switches(tf_keras_checks
     assert first["iterations"] == sum(steps if b == 8 else steps // 4 for b in batch_sizes)
 
 
-def test_resume_keeps_the_detector_history_and_choices(tmp_path):
+def test_resume_keeps_the_detector_history_and_choices(tf_keras_checks, checkpoint_dir):
     """The resumed run sees the rate drop (its last rate comes from the checkpoint), decides
     as the uninterrupted run did and ends with the same parameters and state."""
-    full, resumed = ([r["checkpoint"] for r in run_ranks("accordion.py", "--checks=checkpoint", f"--phase={phase}",
-                                                         f"--work_dir={tmp_path}", np=2)]
-                     for phase in ("full", "resume"))
+    full = [r["checkpoint"] for r in tf_keras_checks]
+    resumed = [r["checkpoint"] for r in run_ranks("accordion.py", "--checks=checkpoint", "--phase=resume",
+                                                  f"--work_dir={checkpoint_dir}", np=2,
+                                                  env=KERASES["tf_keras"])]
     for before, after in zip(full, resumed):
         assert after == before
     assert all(full[0]["decisions"][0]["critical"])  # the drop at epoch 3

@@ -8,21 +8,23 @@ from hvdrun import DIGITS_EPOCHS, KERASES, check_sgp_next_to_allreduce, run_fail
 
 #: Cases (tests/workers/gossip_consensus.py) with an exact average every 4th step, at 3 ranks.
 AVERAGE_EVERY_4 = ["ring+every4", "ring+every4+overlap"]
-#: World size -> the cases run in its one launch.
+#: World size -> its cases, all in one launch at the largest, each size on the process set of ranks 0..n-1.
 CONSENSUS = {2: ["exponential"], 3: ["exponential", "ring", *AVERAGE_EVERY_4],
              4: ["exponential2", "exponential+overlap"]}
 
 
 @pytest.fixture(scope="module")
-def consensus(request):
-    """{case: per-rank results} of one launch at request.param ranks."""
-    ranks = run_ranks("gossip_consensus.py", f"--cases={','.join(CONSENSUS[request.param])}", np=request.param)
-    return {case: [r["results"][case] for r in ranks] for case in CONSENSUS[request.param]}
+def consensus():
+    """{n: {case: per-rank results}} of CONSENSUS's launch."""
+    launched = [f"{n}/{case}" for n, cases in CONSENSUS.items() for case in cases]
+    ranks = run_ranks("gossip_consensus.py", f"--cases={','.join(launched)}", np=max(CONSENSUS))
+    return {n: {case: [r["results"][f"{n}/{case}"] for r in ranks[:n]] for case in cases}
+            for n, cases in CONSENSUS.items()}
 
 
-@pytest.mark.parametrize("consensus", list(CONSENSUS), indirect=True)
-def test_gossip_without_gradients_reaches_the_exact_average(consensus):
-    for case, results in consensus.items():
+@pytest.mark.parametrize("n", list(CONSENSUS))
+def test_gossip_without_gradients_reaches_the_exact_average(consensus, n):
+    for case, results in consensus[n].items():
         if case in AVERAGE_EVERY_4:
             continue
         for r in results:
@@ -35,11 +37,10 @@ def test_gossip_without_gradients_reaches_the_exact_average(consensus):
             assert np.all((window[1:] <= window[:-1] * 0.9) | (window[1:] < 1e-5)), (case, window)
 
 
-@pytest.mark.parametrize("consensus", [3], indirect=True)
 def test_average_every_h_steps_is_exact_consensus(consensus):
     """3 ranks on a ring mix slowly; every 4th step an exact average (mass in flight included)."""
     for case in AVERAGE_EVERY_4:
-        for r in consensus[case]:
+        for r in consensus[3][case]:
             errors = r["errors"]
             assert errors[2] > 1e-2, case  # gossip alone is not there yet...
             assert errors[3] < 1e-5 and errors[7] < 1e-5, case  # ...the average after steps 4 and 8 is
@@ -54,14 +55,17 @@ def test_sgp_trains_next_to_allreduce_sgd_at_3_ranks():
     check_sgp_next_to_allreduce(ranks)
 
 
-@pytest.mark.parametrize("ranks, world_sizes", [(2, [2]), (5, [3, 4, 5])])
-def test_pushsum_matches_the_numpy_reference_over_alltoall_and_point_to_point(ranks, world_sizes):
+@pytest.mark.parametrize("ranks", [5, pytest.param(2, marks=pytest.mark.full)])
+def test_pushsum_matches_the_numpy_reference_over_alltoall_and_point_to_point(ranks, full_matrix):
     """PushSum with messages mixed in at once (tau = 0) or a step later (overlap, tau = 1), with an exact average
     every 4th step, against NumPy on every rank (tests/workers/gossip_rule.py): over alltoall at each world size,
     over MPI's point-to-point transport (an MPI launch) at the launch's, with the alltoall run's bits; the weights
-    and the mass in flight sum to n."""
-    results = run_ranks("gossip_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}", np=ranks,
-                        launcher="mpi", timeout=300)
+    and the mass in flight sum to n. One 5-rank launch: world sizes 2, 3 and 5, at 2 and 3 the cases in which every
+    graph, overlap and average setting meets each; --full: every case at 2 to 5, and MPI at 2 in a launch of 2."""
+    world_sizes = [2] if ranks == 2 else [2, 3, 4, 5] if full_matrix else [2, 3, 5]
+    results = run_ranks("gossip_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}",
+                        *(["--every_case_at_every_size"] if full_matrix else []), np=ranks, launcher="mpi",
+                        timeout=300)
     assert {name.split("/")[1] for name in results[0]["digests"]} == {"alltoall", "mpi"}
     assert {int(name.split("/")[0]) for name in results[0]["digests"]} == set(world_sizes)
 

@@ -1,7 +1,9 @@
 """Ordinary Keras features under horovodrun (2 ranks), with the methods (every one where the dtypes
 differ, one per kind of state elsewhere; see DTYPE_ROWS), in tf_keras and in Keras 3: mixed precision
 (compile()'s LossScaleOptimizer and an explicit one), bfloat16 and float16, Embeddings, layers without
-gradients, clipping, jit_compile. See docs/keras_features.md."""
+gradients, clipping, jit_compile. The default run takes, where the wrapper's shared code meets a feature,
+the methods of DEFAULT_RUN_METHODS, and each method under one of the two clippings; --full runs all. See
+docs/keras_features.md."""
 import json
 import subprocess
 import sys
@@ -25,9 +27,19 @@ def keras(request):
 #: method there, in each Keras (mixed_float16, as most users train) or in one of them (the dtypes' code is the
 #: compressors', the same in both); in the others (an explicit LossScaleOptimizer, Embeddings, a layer without
 #: gradients, clipping) the wrapper's shared code meets it, and one method per kind of state runs
-#: (hvdrun.ONE_PER_STATE_KIND).
+#: (hvdrun.ONE_PER_STATE_KIND) with --full, those of DEFAULT_RUN_METHODS without.
 DTYPE_ROWS = {"tf_keras": ["mixed_float16", "float16_variables"],
               "keras3": ["mixed_float16", "mixed_bfloat16", "bfloat16_variables"]}
+#: The default run's methods in Keras 3's other rows (--full: ONE_PER_STATE_KIND and fp16 in each). float16
+#: variables: every method (the dtypes' code is the compressors'; tf_keras, where it is a DTYPE_ROW, runs with
+#: --full only). A layer without gradients meets every kind of state a DistributedOptimizer keeps (each must
+#: stay as it was); the rest meet the wrapper's shared code, two methods a row, every method in one row or
+#: two, the Embedding with fp16 (sent in exactly half the bytes) and a compressor. SGP meets every row in
+#: test_point_to_point_sgp_trains_with_the_features_in_keras3 (these features act before its gossip).
+DEFAULT_RUN_METHODS = {"float16_variables": ONE_PER_STATE_KIND + ["fp16"],
+                       "explicit_loss_scale": ["onebit_adamw", "powersgd"], "embedding": ["fp16", "topk"],
+                       "unused_layer": ["onebit", "onebit_adamw", "topk", "powersgd"],
+                       "clipnorm": ["onebit", "fp16"], "global_clipnorm": ["topk", "onebit_adamw"]}
 
 
 def feature_methods(keras):
@@ -36,19 +48,20 @@ def feature_methods(keras):
     return methods_in(keras) + ["fp16"]
 
 
-def row_methods(keras, row):
-    """The methods a row of the matrix runs in this Keras."""
-    return feature_methods(keras) if row in DTYPE_ROWS[keras] else ONE_PER_STATE_KIND + ["fp16"]
+def row_methods(keras, row, full_matrix):
+    """The methods a row of the matrix runs in this Keras (tf_keras runs with --full only)."""
+    if row in DTYPE_ROWS[keras]:
+        return feature_methods(keras)
+    return ONE_PER_STATE_KIND + ["fp16"] if full_matrix else DEFAULT_RUN_METHODS[row]
 
 
 @pytest.fixture(scope="module")
-def features(keras):
+def features(keras, full_matrix):
     """Every case of workers/keras_features.py in this Keras: 2 ranks, one launch; per-rank
-    {case: results}: every method in this Keras's DTYPE_ROWS, hvdrun.ONE_PER_STATE_KIND and fp16 elsewhere."""
-    few_rows = [row for row in ROWS if row not in DTYPE_ROWS[keras]]
+    {case: results}: the matrix's rows with their row_methods."""
+    matrix = [f"{row}/{method}" for row in ROWS for method in row_methods(keras, row, full_matrix)]
     return [r["results"] for r in run_ranks("keras_features.py", f"--methods={','.join(feature_methods(keras))}",
-                                            f"--few_methods_rows={','.join(few_rows)}",
-                                            f"--few_methods={','.join(ONE_PER_STATE_KIND + ['fp16'])}", np=2,
+                                            f"--matrix={','.join(matrix)}", f"--both_clips={full_matrix}", np=2,
                                             timeout=900, env=KERASES[keras])]
 
 
@@ -58,11 +71,11 @@ def matrix(features):
 
 
 @pytest.mark.parametrize("row", ROWS)
-def test_every_method_trains_with_the_feature(keras, matrix, row):
+def test_every_method_trains_with_the_feature(keras, matrix, row, full_matrix):
     """Every row: ranks identical after every step (SGP: after consensus), the loss falls, every
     piece of state is finite. And each row's own expectation, below."""
-    assert set(matrix[0]) >= {f"{row}/{method}" for method in row_methods(keras, row)}
-    for method in row_methods(keras, row):
+    assert set(matrix[0]) >= {f"{row}/{method}" for method in row_methods(keras, row, full_matrix)}
+    for method in row_methods(keras, row, full_matrix):
         key = f"{row}/{method}"
         for rank, results in enumerate(matrix):
             check_trains(key, rank, results[key])
@@ -124,8 +137,10 @@ def test_point_to_point_sgp_trains_with_the_features_in_keras3():
     check_skipped_together("keras3", "sgp_mpi", [r["overflow"]["sgp_mpi"] for r in ranks])
 
 
-def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras, features):
-    """A constant gradient of norm about 65, clipnorm=1 (or global_clipnorm=1), 300 steps: each method moves
+def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedback_mass(keras, features,
+                                                                                      full_matrix):
+    """A constant gradient of norm about 65, clipnorm=1 (or global_clipnorm=1: the methods take them in turn,
+    the uncompressed exchange both; --full: every method both), 300 steps: each method moves
     the weights exactly as when fed the gradient clipped by hand, and as far as the uncompressed
     exchange within 10%. Sketched SGD at ratio 3 applies d/150 coordinates a step, so after 300 steps
     more of the movement is still in its residual (it moved 74% of the uncompressed exchange's): what
@@ -134,16 +149,20 @@ def test_clipping_happens_once_on_each_ranks_gradient_and_loses_no_error_feedbac
     erases what the other coordinates in those cells had accumulated (it moved 28% as far). 1-bit AdamW
     is held to the first check too: it is Adam, whose step does not follow the gradient's length."""
     results = features[0]["clipping"]
-    for clip in ("clipnorm", "global_clipnorm"):
+    methods = ["none"] + [m for m in feature_methods(keras) if m != "sgp"]
+    pairs = [key.split("/") for key in results]
+    # each method under both clippings with --full, else under one (in turn); the uncompressed one under both
+    assert sorted(m for _, m in pairs) == sorted(methods * 2 if full_matrix else methods + ["none"]), sorted(results)
+    assert {clip for clip, method in pairs if method != "none"} == {"clipnorm", "global_clipnorm"}, sorted(results)
+    for key, got in results.items():
+        clip, method = key.split("/")
         uncompressed = results[f"{clip}/none"]["clipped"]
-        for method in ["none"] + [m for m in feature_methods(keras) if m != "sgp"]:
-            got = results[f"{clip}/{method}"]
-            # Not bit for bit: clip_by_norm rounds g * (1 / |g|) differently.
-            assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-3), (clip, method, got)
-            if method == "sketch":  # nothing lost: the rest is in its residual
-                assert got["clipped_with_residual"] == pytest.approx(uncompressed, rel=1e-3), (clip, method, got)
-            elif method not in ("fetchsgd", "onebit_adamw"):
-                assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
+        # Not bit for bit: clip_by_norm rounds g * (1 / |g|) differently.
+        assert got["clipped"] == pytest.approx(got["clipped_by_hand"], rel=1e-3), (clip, method, got)
+        if method == "sketch":  # nothing lost: the rest is in its residual
+            assert got["clipped_with_residual"] == pytest.approx(uncompressed, rel=1e-3), (clip, method, got)
+        elif method not in ("fetchsgd", "onebit_adamw"):
+            assert got["clipped"] == pytest.approx(uncompressed, rel=0.1), (clip, method, got)
 
 
 def test_metric_average_callback_averages_the_logs_over_the_ranks(features):

@@ -4,16 +4,25 @@ import pytest
 from hvdrun import DIGITS_EPOCHS, KERASES, check_identical_per_world_size, check_sgp_next_to_allreduce, run_ranks
 
 
-@pytest.mark.parametrize("keras, world_sizes", [("tf_keras", [3, 4]), ("keras3", [2, 3])])
-def test_update_rules_match_the_numpy_reference_on_every_rank(keras, world_sizes):
+#: update_rule.py --rotation of each Keras's launch in the default run: each case runs at one of the world sizes 2
+#: and 3 in one Keras and at the other size in the other, so every case meets both Kerases and both sizes, and each
+#: Keras both sizes (every pair). --full runs every case at every size, 4 too.
+ROTATION = {"tf_keras": 0, "keras3": 1}
+
+
+@pytest.mark.parametrize("keras, world_sizes", [("tf_keras", [2, 3]), ("keras3", [2, 3]),
+                                                pytest.param("tf_keras", [4], marks=pytest.mark.full),
+                                                pytest.param("keras3", [4], marks=pytest.mark.full)])
+def test_update_rules_match_the_numpy_reference_on_every_rank(keras, world_sizes, full_matrix):
     """onebit two-way (Nesterov, blocks), one-way, top-k, random-k, PowerSGD, sketch, the tape, quantize
     (its exchanged gradient bit for bit at 8, 4 and 2 bits) and 1-bit Adam and AdamW (bit for bit over the
     warm-up and the compressed steps; a variable without a gradient keeps its Adam slots),
     over 6 graph-mode steps with a learning-rate drop, in either Keras, equal the NumPy
     reference; all ranks end bit-identical. The world sizes of a launch run one after another
-    on process sets of its ranks. Gloo only: the rules do not depend on the launcher, and the MPI
-    launch is checked bit-identical after every step of a training run (below)."""
-    results = run_ranks("update_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}",
+    on process sets of its ranks (rotated: ROTATION). Gloo only: the rules do not depend on the launcher, and the
+    MPI launch is checked bit-identical after every step of a training run (below)."""
+    rotation = [] if full_matrix or len(world_sizes) == 1 else [f"--rotation={ROTATION[keras]}"]
+    results = run_ranks("update_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}", *rotation,
                         np=max(world_sizes), env=KERASES[keras], timeout=420)
     check_identical_per_world_size(results, world_sizes)
 
@@ -66,15 +75,20 @@ def test_sgp_trains_next_to_allreduce_sgd(digits_runs):
     check_sgp_next_to_allreduce(digits_runs)
 
 
+@pytest.mark.full  # the default run's MPI training launch is Keras 3's (below): the launcher and the Keras meet nowhere
 def test_mpi_training_converges_next_to_the_uncompressed_baseline(digits_runs):
     ranks = run_ranks("train_digits.py", "--runs=onebit", f"--epochs={DIGITS_EPOCHS}", np=2, launcher="mpi")
     check_next_to_baseline([r["results"]["onebit"] for r in ranks], digits_runs[0]["none"], 8, "onebit (mpi)")
 
 
-def test_keras3_training_converges_next_to_the_uncompressed_baseline():
-    """Keras 3: onebit two-way next to Keras 3's uncompressed exchange (the same checks)."""
-    ranks = run_ranks("train_digits.py", "--runs=none,onebit", f"--epochs={DIGITS_EPOCHS}", np=2, env=KERASES["keras3"])
-    check_next_to_baseline([r["results"]["onebit"] for r in ranks], ranks[0]["results"]["none"], 8, "keras3 onebit")
+@pytest.mark.parametrize("launcher", ["mpi", pytest.param("gloo", marks=pytest.mark.full)])
+def test_keras3_training_converges_next_to_the_uncompressed_baseline(launcher):
+    """Keras 3: onebit two-way next to Keras 3's uncompressed exchange (the same checks). Launched with MPI, it is
+    also the default run's MPI training launch (tf_keras's, above, and this one on Gloo: --full)."""
+    ranks = run_ranks("train_digits.py", "--runs=none,onebit", f"--epochs={DIGITS_EPOCHS}", np=2, launcher=launcher,
+                      env=KERASES["keras3"])
+    check_next_to_baseline([r["results"]["onebit"] for r in ranks], ranks[0]["results"]["none"], 8,
+                           f"keras3 onebit ({launcher})")
 
 
 def check_next_to_baseline(results, baseline, min_ratio, what, max_loss=1):

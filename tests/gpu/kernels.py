@@ -13,7 +13,7 @@ SOURCES = sorted((REPO / "tf_ops" / "gpu").glob("*.cu"))
 LAUNCHERS = REPO / "tf_ops" / "gpu" / "launchers.h"
 LIBRARY = REPO / "build" / "gpu" / "libhc_gpu_kernels.so"
 #: -fmad=false: no fused multiply-adds, so products and sums round as the CPU kernels' (g++ -ffp-contract=off).
-NVCC_FLAGS = ["-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC", "-shared"]
+NVCC_FLAGS = ["-std=c++17", "-fmad=false", "-Xcompiler", "-fPIC", "-shared"]
 #: Ampere and Hopper machine code, and Hopper PTX for later GPUs.
 ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=[sm_90,compute_90]"]
 
@@ -30,8 +30,10 @@ def nvcc():
     return found
 
 
-def build(out=LIBRARY, archs=None):
-    """Compiles tf_ops/gpu/*.cu into the shared library `out` (rebuilt when a source or header is newer)."""
+def build(out=LIBRARY, archs=None, host_optimization="-O3"):
+    """Compiles tf_ops/gpu/*.cu into the shared library `out` (rebuilt when a source or header is newer), for
+    `archs` (nvcc's -gencode options; ARCHS by default). host_optimization: nvcc's -O, which applies to the host
+    code only (the launchers); the device code is optimized either way."""
     out = pathlib.Path(out)
     compiler = nvcc()
     if compiler is None:
@@ -41,7 +43,8 @@ def build(out=LIBRARY, archs=None):
     if out.exists() and out.stat().st_mtime > max(p.stat().st_mtime for p in inputs):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([compiler, *NVCC_FLAGS, *(archs or ARCHS), *map(str, SOURCES), "-o", str(out)], check=True)
+    subprocess.run([compiler, *NVCC_FLAGS, host_optimization, *(archs or ARCHS), *map(str, SOURCES), "-o", str(out)],
+                   check=True)
     return out
 
 

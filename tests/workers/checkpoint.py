@@ -26,7 +26,8 @@ flags.DEFINE_list("cases", ["checkpoint/onebit"], "format/compression pairs. For
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_string("export_dir", None, "Full phase: rank 0 exports the first case's model here (model.save).")
 FLAGS = flags.FLAGS
-STEPS, BATCH = 12, 32
+#: Saved at step STEPS, after _worker.ADAMW_WARMUP's full-precision steps: the AdamW cases save compressed state too.
+STEPS, BATCH = 6, 32
 
 
 def batch(step, x, y):

@@ -3,8 +3,9 @@
 
 Each case trains w and b (rule_inputs: every rank its own gradients) with SGD without momentum for --steps
 graph-mode steps. Over alltoall each world size of --world_sizes runs on a process set of ranks 0..n-1; over MPI
-(launched with MPI only) the whole world runs, and must give the alltoall run's bits. After the steps every rank
-holds the reference's z_i; the weights with the mass in flight (what `flush` leaves in in_flight) sum to n.
+(launched with MPI only) the whole world runs, and must give the alltoall run's bits. Every case runs at the
+launch's world size; below it, CASES_BELOW_LAUNCH (--every_case_at_every_size: every case). After the steps every
+rank holds the reference's z_i; the weights with the mass in flight (what `flush` leaves in in_flight) sum to n.
 Reports {"n/transport/case": digest} and the sums. Rank 0 leaves 2 s after the others, as after saving a model:
 the mailboxes, closed at exit, must hold back Horovod's shutdown on the others (it finalises MPI on every rank)."""
 import hashlib
@@ -23,12 +24,16 @@ from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_integer("steps", 6, "Steps of each case.")
 flags.DEFINE_list("world_sizes", None, "World sizes of the alltoall runs (default: the number of ranks).")
+flags.DEFINE_bool("every_case_at_every_size", False, "Every case at each world size, not CASES_BELOW_LAUNCH.")
 flags.DEFINE_bool("refused", False, "Only report the error of PushSumOptimizer(transport='mpi') (a Gloo launch).")
 FLAGS = flags.FLAGS
 LR = 0.1
 #: (graph, overlap, average_every)
 CASES = [("exponential", False, None), ("exponential", True, None), ("exponential2", True, None),
          ("ring", True, 4)]
+#: The cases at world sizes below the launch's: every graph, with and without overlap and average_every, meets each
+#: size (the one case left out, exponential with overlap, adds no such pair; it runs at the launch's size).
+CASES_BELOW_LAUNCH = [CASES[0], *CASES[2:]]
 
 
 def flat(rank, t):
@@ -86,8 +91,9 @@ def main(_):
     process_sets = init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]])
     digests, masses = {}, {}
     for case in CASES:
-        for process_set in process_sets.values():
-            check(case, process_set, "alltoall", digests, masses)
+        for n, process_set in process_sets.items():
+            if case in CASES_BELOW_LAUNCH or n == launch_size() or FLAGS.every_case_at_every_size:
+                check(case, process_set, "alltoall", digests, masses)
         if hvd.mpi_enabled():
             if hvd.size() not in process_sets:
                 check(case, hvd.global_process_set, "alltoall", digests, masses)

@@ -1,6 +1,7 @@
 """hc.DistributedOptimizer(hierarchical=True) on hosts of several ranks (tests/hvdrun.run_hosts): its
 step against a NumPy reference of the hierarchical rule, over several graph-mode steps with a
-learning-rate drop, on every rank; reports {case: digest} and the layout Horovod saw.
+learning-rate drop, on every rank; reports {case: digest} and the layout Horovod saw. One launch runs several
+--modes in turn (a launch's start-up costs more than what its ranks then run); each rank reports {mode: result}.
 
 The reference: every rank's worker-side value a_i (dist-EF-SGD: lr times its Nesterov momentum; top-k:
 its gradient); each host's mean, added in local-rank order (float32) times float32(1 / L); local rank l
@@ -20,15 +21,20 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 from rule_inputs import MU, SHAPE, WARMUP, adam, grads_of, quantize_draws, rate, sgd, train
-from _worker import IdenticalRanks, LoggedLines, report
+from _worker import IdenticalRanks, LoggedLines, define_list_of, report
 
-flags.DEFINE_integer("steps", 5, "Optimizer steps (the rate drops after step 2).")
-flags.DEFINE_enum("mode", "rules", ["rules", "refused", "save", "resume", "fit"],
-                  "rules: every rule against its reference; fit: model.fit as users run it (mixed_float16, AdamW, "
-                  "1-bit Adam); refused: the error of a first hierarchical step that "
-                  "cannot run here; save: --steps steps of hierarchical onebit, then every rank writes a "
-                  "tf.train.Checkpoint under --work_dir and trains --steps more (the uninterrupted run); resume: "
-                  "reads rank r's checkpoint and trains those --steps.")
+#: What a launch can run (--modes).
+MODES = ["rules", "refused", "save", "resume", "fit"]
+flags.DEFINE_integer("steps", 5, "rules: optimizer steps (the rate drops after step 2).")
+define_list_of("modes", MODES, ["rules"],
+               "What to run, in the order given. rules: the rules of --cases against their references; fit: "
+               "model.fit as users run it (mixed_float16, AdamW, 1-bit Adam; it sets the global policy, so it goes "
+               "last); refused: the error of a first hierarchical step that cannot run here; save: "
+               "--checkpoint_steps steps of hierarchical onebit, then every rank writes a tf.train.Checkpoint under "
+               "--work_dir and trains --checkpoint_steps more (the uninterrupted run); resume: reads rank r's "
+               "checkpoint and trains those --checkpoint_steps (with --slow_rank, last: the exit is timed).")
+flags.DEFINE_list("cases", None, "rules: the cases to run (default: every case).")
+flags.DEFINE_integer("checkpoint_steps", 3, "save, resume: steps before and after the checkpoint.")
 flags.DEFINE_string("work_dir", None, "save, resume: where the ranks' checkpoints are.")
 flags.DEFINE_integer("slow_rank", -1, "save, resume: this rank sleeps 3 s after its last step (a slow host), and "
                      "every rank writes the time it exits at to --work_dir/exit<rank>, after hvd_compress's exit "
@@ -222,10 +228,10 @@ def checkpointed(mode):
     first = 0
     if mode == "resume":
         checkpoint.read(path).expect_partial()
-        first = FLAGS.steps
+        first = FLAGS.checkpoint_steps
     step = tf.function(lambda g: opt.apply_gradients([(g, w)]))
-    for t in range(first, 2 * FLAGS.steps):
-        if mode == "save" and t == FLAGS.steps:
+    for t in range(first, 2 * FLAGS.checkpoint_steps):
+        if mode == "save" and t == FLAGS.checkpoint_steps:
             checkpoint.write(path)
         step(tf.constant(grads_of(hvd.rank(), t)[0]))
     if hvd.rank() == FLAGS.slow_rank:
@@ -254,17 +260,8 @@ def fit():
                 loss_scaled=type(model.optimizer).__name__)
 
 
-def main(_):
-    if FLAGS.slow_rank >= 0:  # registered before hvd.init and hvd_compress's handler: runs after both
-        exited = pathlib.Path(FLAGS.work_dir, f"exit{os.environ['HOROVOD_RANK']}")
-        atexit.register(lambda: exited.write_text(str(time.time())))
-    hvd.init()
-    if FLAGS.mode == "fit":
-        return report(hvd, **fit())
-    if FLAGS.mode == "refused":
-        return report(hvd, refused=refused())
-    if FLAGS.mode in ("save", "resume"):
-        return report(hvd, **checkpointed(FLAGS.mode))
+def rules():
+    """Every case of --cases against its reference on this rank: {case: digest}, and the layout Horovod saw."""
     hosts, local = hvd.cross_size(), hvd.local_size()
     cases = {"onebit two-way": ("onebit", hc.Compression.onebit()),
              "onebit one-way blocks": ("onebit", hc.Compression.onebit(block_size=64, two_way=False)),
@@ -272,19 +269,24 @@ def main(_):
              "randomk": ("randomk", hc.Compression.randomk(ratio=0.05, seed=3)),
              "powersgd": ("powersgd", hc.Compression.powersgd(rank=3, seed=2)),
              "quantize 4 bits": ("quantize", hc.Compression.quantize(bits=4, block_size=64, seed=3)),
-             "quantize 8 bits rounded, no feedback": ("quantize", hc.Compression.quantize(stochastic=False,
-                                                                                          error_feedback=False)),
+             "quantize 8 bits rounded without feedback": ("quantize", hc.Compression.quantize(
+                 stochastic=False, error_feedback=False)),
              "none": ("none", hc.Compression.none), "fp16": ("fp16", hc.Compression.fp16)}
-    digests = {}
     adam = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0),
             "1-bit AdamW one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), 0.05)}
+    sketches = {"sketch": hc.Compression.sketch(ratio=6, seed=5),
+                "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5)}
+    chosen = FLAGS.cases or [*adam, *sketches, *cases]
+    assert set(chosen) <= {*adam, *sketches, *cases}, f"--cases: unknown {set(chosen) - {*adam, *sketches, *cases}}"
+    adam, sketches, cases = ({name: case for name, case in group.items() if name in chosen}
+                             for group in (adam, sketches, cases))
+    digests = {}
     for name, (compression, weight_decay) in adam.items():
         w = run_adam(compression, weight_decay)
         np.testing.assert_array_equal(w, reference_adam(hosts, local, compression, weight_decay),
                                       err_msg=f"{hosts}x{local} {name}")
         digests[name] = hashlib.sha256(w.tobytes()).hexdigest()
-    for name, compression in {"sketch": hc.Compression.sketch(ratio=6, seed=5),
-                              "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5)}.items():
+    for name, compression in sketches.items():
         w, (lo, hi), sketch = run_sketch(compression)
         if sketch is not None:  # (one host: the host's mean is the update, as "none" checks)
             np.testing.assert_allclose(w[lo:hi], reference_sketch_of_the_shard(hosts, local, (lo, hi), sketch),
@@ -301,7 +303,17 @@ def main(_):
                                    err_msg=f"{hosts}x{local} {name}: the uncompressed variable")
         assert np.abs(w).max() > 0.01, name
         digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    report(hvd, digests=digests, layout=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()])
+    return dict(digests=digests, layout=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()])
+
+
+def main(_):
+    if FLAGS.slow_rank >= 0:  # registered before hvd.init and hvd_compress's handler: runs after both
+        exited = pathlib.Path(FLAGS.work_dir, f"exit{os.environ['HOROVOD_RANK']}")
+        atexit.register(lambda: exited.write_text(str(time.time())))
+    hvd.init()
+    run = {"rules": rules, "refused": refused, "save": lambda: checkpointed("save"),
+           "resume": lambda: checkpointed("resume"), "fit": fit}
+    report(hvd, **{mode: run[mode]() for mode in FLAGS.modes})
 
 
 if __name__ == "__main__":

@@ -3,16 +3,16 @@
 
 Runs each case in --cases, one after another in this process; reports {case: results}.
 matrix: for each row (mixed precision policies, an explicit LossScaleOptimizer, float16
-variables, an Embedding, an unused layer, clipping) and each method, model.fit on this rank's
-data; after every batch the ranks must hold identical weights (SGP: checked after consensus);
-reports the loss per epoch, whether all state is finite, and the row's own facts (the unused
-layer's weights, the loss scale).
+variables, an Embedding, an unused layer, clipping) and each method (or each pair in --matrix),
+model.fit on this rank's data; after every batch the ranks must hold identical weights (SGP:
+checked after consensus); reports the loss per epoch, whether all state is finite, and the row's
+own facts (the unused layer's weights, the loss scale).
 overflow: mixed_float16; at batch OVERFLOW_AT one sample of rank 1 has an infinite weight,
 so only rank 1's gradient overflows: every rank must skip that step (weights and state as they
 were) and halve its loss scale alike.
-clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 for
-STEPS_CLIPPED steps: how far each method moves the weights, next to the uncompressed exchange
-and to the same method fed the gradient clipped by hand.
+clipping: a constant gradient (norm > 1) with clipnorm=1 / global_clipnorm=1 (or, --noboth_clips,
+one of them in turn) for STEPS_CLIPPED steps: how far each method moves the weights, next to the
+uncompressed exchange and to the same method fed the gradient clipped by hand.
 metrics: hc.callbacks.MetricAverageCallback on ranks with different data: the logs a
 later callback sees are the ranks' average.
 """
@@ -34,10 +34,11 @@ METHODS = ["onebit", "onebit_oneway", "onebit_adamw", "topk", "randomk", "powers
            "fp16"]
 CASES = ["matrix", "overflow", "clipping", "metrics"]
 define_list_of("cases", CASES, CASES, "Cases.")
-define_list_of("rows", ROWS, ROWS, "Matrix rows.")
 define_list_of("methods", METHODS, METHODS, "Methods.")
-define_list_of("few_methods_rows", ROWS, [], "Matrix rows that run only the --few_methods of --methods.")
-define_list_of("few_methods", METHODS, METHODS, "The methods of the --few_methods_rows.")
+define_list_of("matrix", [f"{row}/{method}" for row in ROWS for method in METHODS], [],
+               "The matrix's cases, <row>/<method> (default: every row with every one of --methods).")
+flags.DEFINE_bool("both_clips", True, "clipping: every method under clipnorm and global_clipnorm (False: the methods "
+                  "take them in turn; the uncompressed reference takes both).")
 FLAGS = flags.FLAGS
 BATCH, STEPS, EPOCHS, OVERFLOW_AT, STEPS_CLIPPED = 16, 6, 2, 3, 300
 BROADCAST = None  # the broadcast callback users of this Keras add (set in main)
@@ -203,13 +204,20 @@ def movement(keras, method, g, clip):
     return float(tf.reduce_mean(tf.abs(w)).numpy()), float(tf.reduce_mean(tf.abs(w - held)).numpy())
 
 
-def clipped_movements(keras, method, clip):
-    """With clipping, and without clipping on the gradient clipped by hand (the same if clipping
-    happens once, on each rank's gradient before error feedback)."""
+def clipped_movements(keras, methods):
+    """{"<clip>/<method>": ...}: each method with clipping, and without clipping on the gradient clipped by hand
+    (the same if clipping happens once, on each rank's gradient before error feedback)."""
+    clips = {"clipnorm": dict(clipnorm=1.0), "global_clipnorm": dict(global_clipnorm=1.0)}
     g = tf.constant(np.random.default_rng(3).uniform(0.5, 1.5, (64, 64)).astype(np.float32))
-    (clipped, with_residual), (by_hand, _) = (movement(keras, method, g, clip),
-                                              movement(keras, method, g * (1.0 / tf.norm(g)), {}))
-    return dict(clipped=clipped, clipped_by_hand=by_hand, clipped_with_residual=with_residual)
+    results = {}
+    for i, method in enumerate(methods):
+        # g is one variable: both clippings give g / |g|, so one run by hand serves both
+        by_hand, _ = movement(keras, method, g * (1.0 / tf.norm(g)), {})
+        for name in clips if FLAGS.both_clips or method == "none" else [list(clips)[i % 2]]:
+            clipped, with_residual = movement(keras, method, g, clips[name])
+            results[f"{name}/{method}"] = dict(clipped=clipped, clipped_by_hand=by_hand,
+                                               clipped_with_residual=with_residual)
+    return results
 
 
 class EpochLogs(tf.keras.callbacks.Callback):
@@ -237,15 +245,13 @@ def averaged_metrics(keras):
 
 def run_case(keras, case):
     if case == "matrix":
-        return {f"{row}/{method}": train(keras, row, method) for row in FLAGS.rows for method in FLAGS.methods
-                if row not in FLAGS.few_methods_rows or method in FLAGS.few_methods}
+        cases = FLAGS.matrix or [f"{row}/{method}" for row in ROWS for method in FLAGS.methods]
+        return {key: train(keras, *key.split("/")) for key in cases}
     if case == "metrics":
         return averaged_metrics(keras)
     if case == "overflow":
         return {method: overflow(keras, method) for method in FLAGS.methods}
-    return {f"{name}/{method}": clipped_movements(keras, method, clip)
-            for name, clip in (("clipnorm", dict(clipnorm=1.0)), ("global_clipnorm", dict(global_clipnorm=1.0)))
-            for method in ["none"] + [m for m in FLAGS.methods if not is_gossip(m)]}
+    return clipped_movements(keras, ["none"] + [m for m in FLAGS.methods if not is_gossip(m)])
 
 
 def main(_):

@@ -7,10 +7,12 @@ subclass registered with register_keras_serializable that has its own constructo
 the method given to it: compile with hc.DistributedOptimizer, fit, save on rank 0 in each of this
 Keras's model formats, then per format and loader: load, check what came back (a distributed
 optimizer of the same class, the same compression and settings, the step count), fit on with each
-rank on its own data, and report the digest of the weights after every batch. Ranks must be
-bit-identical; an optimizer loaded undistributed would drift (the `undistributed` control case
-shows it does: a plain file loaded with Keras's loader and trained with allow_undistributed=True),
-and hc's callbacks refuse it (the `guard` case).
+rank on its own data, and report the digest of the weights after every batch. With --every_load each
+format is loaded with both loaders; without, class i loads format j with loader (i + j) mod 2 only:
+every class comes back from both loaders and from each format, and each format from both loaders
+(files_to_load). Ranks must be bit-identical; an optimizer loaded undistributed would drift (the
+`undistributed` control case shows it does: a plain file loaded with Keras's loader and trained with
+allow_undistributed=True), and hc's callbacks refuse it (the `guard` case).
 
 Reports {case: {...}} with case "<Class>/<method>/<format>/<loader>".
 """
@@ -28,6 +30,8 @@ flags.DEFINE_list("optimizers", None, "Optimizer classes (default: every class o
 flags.DEFINE_integer("rotation", 0, "Optimizer i gets method i + rotation (mod 4): the launches of "
                      "tests/test_model_files.py (rotations 0-2) give every class three methods.")
 define_list_of("methods", METHODS, METHODS, "The methods rotated through.")
+flags.DEFINE_bool("every_load", False, "Load each format with both loaders (default: one loader a format, "
+                  "in turn over the classes).")
 flags.DEFINE_string("work_dir", None, "Where rank 0 saves.")
 flags.DEFINE_enum("policy", "float32", ["float32", "mixed_float16"], "Keras's dtype policy.")
 flags.DEFINE_bool("hierarchical_exchange", False, "Wrap with hierarchical=True (launched as hosts: tests/hvdrun.run_hosts; "
@@ -44,6 +48,7 @@ NOT_OPTIMIZERS = {"LossScaleOptimizer", "MultiOptimizer", "Optimizer", "Optimize
 BATCH, STEPS = 8, 3
 #: What Keras itself cannot save, wrapped or not: Keras 3's h5 writer gives two of Adafactor's variables one name.
 KERAS_CANNOT_SAVE = {("Adafactor", "h5")} if KERAS3 else set()
+LOADERS = {"keras": keras.models.load_model, "hc": hc.load_model}
 
 
 @keras.saving.register_keras_serializable(package="tests")
@@ -116,9 +121,18 @@ def barrier(name):
     hvd.allgather_object(0, name=name)
 
 
-def saved_and_loaded(cls, method, path):
-    """Trains a wrapped `cls` with `method`, saves it on rank 0 in every format; yields
-    (format, loader, its model) for every loaded copy, with what the original had at the save."""
+def files_to_load(i, name):
+    """The (format, loader) pairs the i-th class loads (--every_load: every pair). Where Keras cannot save
+    the class in a format, the other format takes both loaders."""
+    formats = [fmt for fmt in FORMATS if (name, fmt) not in KERAS_CANNOT_SAVE]
+    if FLAGS.every_load:
+        return [(fmt, loader) for fmt in formats for loader in LOADERS]
+    return [(formats[j % len(formats)], list(LOADERS)[(i + j) % 2]) for j in range(len(FORMATS))]
+
+
+def saved_and_loaded(cls, method, path, loads):
+    """Trains a wrapped `cls` with `method`, saves it on rank 0 in the formats of `loads`; yields
+    (format, loader, its model) for each (format, loader) of `loads`, with what the original had at the save."""
     model = new_model()
     optimizer = new_optimizer(cls)
     wrapped = hc.DistributedOptimizer(optimizer, compression=compression(method), min_compress_size=64,
@@ -126,14 +140,12 @@ def saved_and_loaded(cls, method, path):
     assert wrapped is optimizer
     model.compile(optimizer=wrapped, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fit(model, 0)
-    for name, filename in FORMATS.items():
-        if (cls.__name__, name) in KERAS_CANNOT_SAVE:
-            continue
+    for name in dict.fromkeys(fmt for fmt, _ in loads):  # each format saved once
         if hvd.rank() == 0:
-            model.save(str(path / filename))
+            model.save(str(path / FORMATS[name]))
         barrier(f"saved.{path.name}.{name}")
-        for loader_name, load in (("keras", keras.models.load_model), ("hc", hc.load_model)):
-            yield name, loader_name, load(str(path / filename)), wrapped
+        for loader in (loader for fmt, loader in loads if fmt == name):
+            yield name, loader, LOADERS[loader](str(path / FORMATS[name])), wrapped
 
 
 def check(loaded, saved):
@@ -171,7 +183,7 @@ def main(_):
             except ValueError as e:
                 results[f"{name}/{method}"] = {"refused": str(e)}
             continue
-        for fmt, loader, model, saved in saved_and_loaded(cls, method, case_dir):
+        for fmt, loader, model, saved in saved_and_loaded(cls, method, case_dir, files_to_load(i, name)):
             facts = check(model, saved)
             facts["digests"] = fit(model, 1)
             results[f"{name}/{method}/{fmt}/{loader}"] = facts

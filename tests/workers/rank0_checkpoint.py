@@ -5,9 +5,9 @@ Phase `full` trains the digits CNN for EPOCHS epochs with every method, rank 0 s
 epoch EPOCHS / 2 in every format (ModelCheckpoint of the whole model in h5 and in the TF
 format, ModelCheckpoint with save_weights_only, tf.train.Checkpoint), and reports the final
 accuracy and, per rank, the per-rank state at the save. Phase `resume` (a new process, maybe
-another number of ranks) restores rank 0's file on every rank, checks what each rank holds
-right after the restore, trains the second half with identical ranks checked after every step
-(SGP: consensus at the end) and reports the accuracy and the lines hvd_compress logged.
+another number of ranks) restores rank 0's file of each case (method/format) on every rank, checks
+what each rank holds right after the restore, trains the second half with identical ranks checked
+after every step (SGP: consensus at the end) and reports the accuracy and the lines hvd_compress logged.
 """
 import hashlib
 import json
@@ -29,7 +29,8 @@ import digits
 flags.DEFINE_enum("phase", "full", ["full", "resume"], "Which half.")
 flags.DEFINE_string("work_dir", None, "Shared between the phases.")
 flags.DEFINE_list("methods", "onebit,onebit_oneway,onebit_adamw,topk,randomk,powersgd,sketch,fetchsgd,sgp", "Methods.")
-flags.DEFINE_list("formats", None, "Resume: formats to restore (default: all of this Keras's).")
+flags.DEFINE_list("cases", None, "Resume: the method/format pairs to restore, e.g. onebit/h5 (default: every "
+                  "method of --methods in every format of this Keras).")
 flags.DEFINE_integer("epochs", 8, "Epochs in all (saved after half).")
 flags.DEFINE_bool("mutate", False, "Resume: give rank 1 rank 0's per-rank state after the restore, as "
                   "a broken restore would (the test must catch it).")
@@ -115,9 +116,10 @@ def full(method, keras, data, directory):
     half = FLAGS.epochs // 2
     rank0 = [keras.callbacks.ModelCheckpoint(str(directory / FORMATS[fmt]), save_weights_only=fmt == "weights")
              for fmt in FORMATS if fmt != "checkpoint"]
-    save = SaveOnRankZero(half, directory)
-    train_epochs(model, data, 0, half, [BROADCAST(0), save]
-                 + (rank0 if hvd.rank() == 0 else []))
+    broadcast, save = BROADCAST(0), SaveOnRankZero(half, directory)
+    train_epochs(model, data, 0, half - 1, [broadcast])
+    # ModelCheckpoint writes at every epoch's end: given only the epoch before the save, it writes once.
+    train_epochs(model, data, half - 1, half, [broadcast, save] + (rank0 if hvd.rank() == 0 else []))
     train_epochs(model, data, half, FLAGS.epochs)
     return dict(accuracy=accuracy(model, method, x_test, y_test), saved_state=save.state)
 
@@ -163,20 +165,19 @@ def main(_):
     data = (x[hvd.rank()::hvd.size()][:steps * 32], y[hvd.rank()::hvd.size()][:steps * 32]), test
     work = pathlib.Path(FLAGS.work_dir)
     results = {}
-    for method in FLAGS.methods:
-        directory = work / method
-        if FLAGS.phase == "full":
-            directory.mkdir(parents=True, exist_ok=True)
-            results[method] = full(method, keras, data, directory)
-            continue
-        saved_by = work / f"saved_state_rank{hvd.rank()}.json"  # none for a rank the first run had not
-        saved = json.loads(saved_by.read_text())[method] if saved_by.exists() else {"saved_state": None}
-        for fmt in FLAGS.formats or FORMATS:
-            before = len(lines.lines)
-            results[f"{method}/{fmt}"] = resume(method, fmt, keras, data, directory, saved)
-            results[f"{method}/{fmt}"]["logged"] = lines.lines[before:]
     if FLAGS.phase == "full":
+        for method in FLAGS.methods:
+            (work / method).mkdir(parents=True, exist_ok=True)
+            results[method] = full(method, keras, data, work / method)
         (work / f"saved_state_rank{hvd.rank()}.json").write_text(json.dumps(results))
+    else:
+        saved_by = work / f"saved_state_rank{hvd.rank()}.json"  # none for a rank the first run had not
+        saved = json.loads(saved_by.read_text()) if saved_by.exists() else {}
+        for case in FLAGS.cases or [f"{method}/{fmt}" for method in FLAGS.methods for fmt in FORMATS]:
+            method, fmt = case.split("/")
+            before = len(lines.lines)
+            results[case] = resume(method, fmt, keras, data, work / method, saved.get(method, {"saved_state": None}))
+            results[case]["logged"] = lines.lines[before:]
     report(hvd, results=results, size=hvd.size())
 
 

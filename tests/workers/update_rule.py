@@ -2,7 +2,8 @@
 steps in graph mode with a learning-rate schedule, on every rank.
 
 One launch covers several world sizes (--world_sizes): each size n runs on the Horovod process set
-of ranks 0..n-1 (the optimizer's process_set=); reports {"n/case": digest}."""
+of ranks 0..n-1 (the optimizer's process_set=); reports {"n/case": digest}. Every case at every size, or
+under --rotation each case at one of them (the default run: the two Kerases' launches rotate opposite ways)."""
 import hashlib
 
 import numpy as np
@@ -19,7 +20,26 @@ from _worker import init_world_sizes, launch_size, op_types, report
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
 flags.DEFINE_list("world_sizes", None, "World sizes to run (default: the number of ranks).")
 flags.DEFINE_list("rules", ["world", "quantize", "adam"], "Which groups of update rules to check.")
+flags.DEFINE_integer("rotation", None, "Run each case at one world size only: the i-th case of each group at the "
+                     "(i + rotation)-th of --world_sizes, cyclically. Launches with rotations 0 and 1 over two sizes "
+                     "run every case at both. Unset: every case at every size.")
 FLAGS = flags.FLAGS
+
+
+def world_sizes():
+    return sorted(int(n) for n in FLAGS.world_sizes or [launch_size()])
+
+
+def runs_at(index, size):
+    """Whether the case at `index` of its group runs at world size `size`."""
+    sizes = world_sizes()
+    return FLAGS.rotation is None or sizes[(index + FLAGS.rotation) % len(sizes)] == size
+
+
+def rotated(cases, size):
+    """Those of the cases (a dict, or a sequence) that run at world size `size`."""
+    items = [item for i, item in enumerate(cases.items() if isinstance(cases, dict) else cases) if runs_at(i, size)]
+    return dict(items) if isinstance(cases, dict) else items
 
 
 def run(compression, nesterov, process_set):
@@ -164,7 +184,7 @@ def check_adam(process_set, digests):
                                              dict(topk=hc.Compression.topk(ratio=0.05))),
              "top-k Adam amsgrad frozen variance": (hc.Compression.topk(ratio=0.05), 0.0, True,
                                                     dict(topk=hc.Compression.topk(ratio=0.05), amsgrad=True))}
-    for name, (compression, weight_decay, amsgrad, shape) in cases.items():
+    for name, (compression, weight_decay, amsgrad, shape) in rotated(cases, size).items():
         w, b = run_adam(compression, process_set, weight_decay, amsgrad)
         np.testing.assert_array_equal(w, reference_adam(size, weight_decay, 0, **shape), err_msg=f"n={size} {name}")
         # The dense variable is Keras's Adam on Horovod's ring allreduce, whose order of summation NumPy does not replay
@@ -173,7 +193,8 @@ def check_adam(process_set, digests):
         uncompressed = reference_adam(size, weight_decay, 0, warmup_steps=FLAGS.steps)
         assert not np.allclose(w, uncompressed, rtol=1e-5, atol=1e-6), name  # the compressed steps show
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    run_adam(hc.Compression.onebit(), process_set, 0.05, with_unused=True)
+    if runs_at(0, size):  # a group of one
+        run_adam(hc.Compression.onebit(), process_set, 0.05, with_unused=True)
 
 
 def run_tape(block_size, process_set):
@@ -248,14 +269,14 @@ def check_world(process_set, digests):
         "powersgd": (hc.Compression.powersgd(rank=3, seed=2), True,
                      lambda: reference_powersgd(hc.Compression.powersgd(rank=3, seed=2), size, True)),
     }
-    for name, (compression, nesterov, reference) in cases.items():
+    for name, (compression, nesterov, reference) in rotated(cases, size).items():
         w, b = run(compression, nesterov, process_set)
         want = reference()
         np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-6, err_msg=f"n={size} {name}")
         assert np.abs(w).max() > 0.01, name  # something was learned
         np.testing.assert_allclose(b, reference_dense(nesterov, size), rtol=1e-5, atol=1e-6, err_msg=name)
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    for chunk_bytes in (exchange.HALF_CHUNK_BYTES, 256):  # the buffer in one piece, and in pieces of 256 bytes
+    for chunk_bytes in rotated((exchange.HALF_CHUNK_BYTES, 256), size):  # the buffer in one piece, and in 256 B pieces
         exchange.HALF_CHUNK_BYTES, default = chunk_bytes, exchange.HALF_CHUNK_BYTES
         w, b = run(hc.Compression.fp16, True, process_set)  # every tensor by the 16-bit exchange
         exchange.HALF_CHUNK_BYTES = default
@@ -272,16 +293,17 @@ def check_world(process_set, digests):
         "sketch second_round=False": hc.Compression.sketch(ratio=6, second_round=False, seed=5),
         "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5),
     }
-    for name, compression in sketches.items():
+    for name, compression in rotated(sketches, size).items():
         w, ex = run_sketch(compression, process_set)
         want = reference_sketch_on_the_concatenated_batch(ex, size)
         per_step = ex.num_candidates if compression.apply_candidates else ex.k  # applied coordinates a step
         assert np.count_nonzero(w) > per_step  # several steps of them
         np.testing.assert_allclose(w, want, rtol=1e-4, atol=1e-5, err_msg=f"n={size} {name}")
         digests[f"{size}/{name}"] = hashlib.sha256(w.tobytes()).hexdigest()
-    w = run_tape(128, process_set)
-    np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg=f"n={size} tape")
-    digests[f"{size}/tape"] = hashlib.sha256(w.tobytes()).hexdigest()
+    if runs_at(0, size):  # a group of one
+        w = run_tape(128, process_set)
+        np.testing.assert_allclose(w, reference_tape(128, size), rtol=1e-5, atol=1e-6, err_msg=f"n={size} tape")
+        digests[f"{size}/tape"] = hashlib.sha256(w.tobytes()).hexdigest()
 
 
 QUANTIZE_SHAPES = [(60, 50), (37, 29)]  # one bucket of two tensors, 4073 elements: odd shards and blocks
@@ -324,9 +346,9 @@ def check_quantize(process_set, digests):
     """Compression.quantize at 8, 4 and 2 bits, stochastic or not, with and without error feedback: the
     averaged gradient of every step equals the NumPy reference's bit for bit."""
     size = process_set.size()
-    for compression in (hc.Compression.quantize(bits=8, block_size=64), hc.Compression.quantize(bits=4, seed=3),
-                        hc.Compression.quantize(bits=2, block_size=100, stochastic=False),
-                        hc.Compression.quantize(bits=4, block_size=128, error_feedback=False)):
+    for compression in rotated((hc.Compression.quantize(bits=8, block_size=64), hc.Compression.quantize(bits=4, seed=3),
+                                hc.Compression.quantize(bits=2, block_size=100, stochastic=False),
+                                hc.Compression.quantize(bits=4, block_size=128, error_feedback=False)), size):
         got = run_quantize_tape(compression, process_set)
         for t, (g, want) in enumerate(zip(got, reference_quantize(compression, size))):
             np.testing.assert_array_equal(g, want, err_msg=f"n={size} {compression!r} step {t}")
@@ -336,7 +358,7 @@ def check_quantize(process_set, digests):
 
 def main(_):
     digests = {}
-    for process_set in init_world_sizes([int(n) for n in FLAGS.world_sizes or [launch_size()]]).values():
+    for process_set in init_world_sizes(world_sizes()).values():
         for check in FLAGS.rules:
             {"world": check_world, "quantize": check_quantize, "adam": check_adam}[check](process_set, digests)
     report(hvd, digests=digests)
