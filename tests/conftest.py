@@ -23,16 +23,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "full: a case of the full matrix, run only with --full")
 
 
-#: The longest test files, longest first. pytest-xdist (--dist loadfile) hands files to its workers in collection
-#: order, each to the first worker free: started first, a long file cannot start last and run on alone while the
-#: other worker has nothing left.
-LONGEST_FIRST = ["test_conventions.py", "test_optimizer.py", "test_hosts.py", "test_keras_features.py",
-                 "test_gossip.py", "test_model_files.py"]
-
-
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's own order is kept
     if config.getoption("--full"):
         return
     skip = pytest.mark.skip(reason="full matrix only: pytest --full (make test-full)")
