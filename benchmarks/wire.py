@@ -144,6 +144,10 @@ flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, t
                    "own control traffic.")
 flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads per rank; 2 lets the last layers' exchange "
                      "start during the backward pass (docs/architecture.md, \"Buckets and overlap\").", lower_bound=1)
+flags.DEFINE_enum("tf_cpu_allocator", "default", launch.TF_CPU_ALLOCATORS, "TensorFlow's CPU allocator in the "
+                  "ranks: bfc (TF_CPU_ALLOCATOR_USE_BFC=1) reuses tensors' memory, where the default takes a large "
+                  "tensor's memory afresh from the kernel each time (launch.run_in_namespaces); its tables are "
+                  "published apart (_bfc).")
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
 flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start: gloo (Horovod's collectives over "
@@ -272,7 +276,8 @@ def run_job(net, model, method):
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
-                                    inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher)
+                                    inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher,
+                                    tf_cpu_allocator=FLAGS.tf_cpu_allocator)
 
 
 def summarize(rate, layout, model, method, ranks):
@@ -300,7 +305,8 @@ def summarize(rate, layout, model, method, ranks):
         wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts else None,
         control_vs_accounted_est=statistics.fmean(control) / accounted,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
-        slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads, per_rank=ranks)
+        slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
+        tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks)
 
 
 def layouts():
@@ -319,6 +325,7 @@ def command_line():
                                batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
                                inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
+                               tf_cpu_allocator=FLAGS.tf_cpu_allocator,
                                timeout=FLAGS.timeout, out=FLAGS.out)
 
 
@@ -379,11 +386,13 @@ def render(rows):
         return results.times(base[field] / r[field]) if base and base.get(field) and r.get(field) else "-"
 
     r0 = rows[0]
+    allocator = ("TensorFlow's BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=1)"
+                 if r0.get("tf_cpu_allocator") == "bfc" else "TensorFlow's default CPU allocator")
     models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
     note = (f"{models}, batch {r0['batch_size']} per rank; median step of the slowest "
             f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
             f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}; "
-            f"{launch.launched(r0.get('launcher', 'gloo'))}. Hosts: HxL is H "
+            f"{launch.launched(r0.get('launcher', 'gloo'))}; {allocator}. Hosts: HxL is H "
             f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step.")
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",

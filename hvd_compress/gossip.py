@@ -194,10 +194,7 @@ class PushSum:
         share = x / float(peers + 1)
         average_now = (tf.equal((step + 1) % self.average_every, 0) if self.average_every else tf.constant(False))
         if self.transport == "mpi":
-            earlier, now = self._post_and_collect(share, step, average_now)
-            mixed = share + earlier + now  # in alltoall's order of additions: the same bits
-            if self.overlap:
-                self.in_flight.assign(tf.zeros_like(self.in_flight))  # what it held is mixed in now
+            mixed = self._post_and_mix(share, step, average_now)
         else:
             received = self._send(share, step)
             if self.overlap:
@@ -209,31 +206,38 @@ class PushSum:
             mixed = tf.cond(average_now, lambda: self._exact_average(mixed), lambda: mixed)
         self._write(variables, mixed)
 
-    def _post_and_collect(self, share, step, average_now):
-        """transport="mpi": posts this step's share to its out-peers and returns what is mixed in now, as two
-        tensors: what arrived earlier (with overlap: what the in-peers sent the step before, or, after `flush`, the
-        mass left in `in_flight`; zeros without) and what this step's in-peers sent (without overlap, and with it on
-        an averaging step, so that nothing is in flight; zeros otherwise)."""
+    def _post_and_mix(self, share, step, average_now):
+        """transport="mpi": posts this step's share to its out-peers and returns it mixed with what arrived, added
+        in alltoall's order (the same bits): with overlap, share + what the in-peers sent the step before (after
+        `flush`, or from a checkpoint, the mass held in `in_flight`, which is then zeroed), plus on an averaging
+        step what this step's in-peers sent, so that nothing is in flight; without, share + what this step's
+        in-peers sent. The sums are NumPy's, in the communication's own function: each is one pass over the
+        model, where TensorFlow's would add a copy of each operand out of that function."""
         mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
-        nothing = np.zeros(share.shape, np.float32)  # made once and only read (an output may hold its memory)
 
         def run(share, step, held, average_now):
             step = int(step)
             earlier = mailbox.collect_pending()
-            if earlier is None:  # without overlap nothing arrives early; with it, after `flush`, the mass it kept
-                earlier = np.array(held) if self.overlap else nothing  # (a copy: not the variable's memory)
+            took_held = earlier is None and self.overlap
+            if took_held:
+                earlier = held
             phase = step % period
             mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
                          in_peers(self.graph, self.rank, self.size, phase))
-            now = nothing if self.overlap and not average_now else mailbox.collect(step)
-            return earlier, now
+            mixed = share if earlier is None else share + earlier
+            if not self.overlap or average_now:
+                mixed = mixed + mailbox.collect(step)
+            return mixed, np.bool_(took_held)
 
-        held = self.in_flight if self.overlap else tf.zeros_like(share)
-        arrived = tf.numpy_function(run, [share, step, held, average_now], [tf.float32, tf.float32], stateful=True,
-                                    name=f"{self.name}.p2p")
-        for part in arrived:
-            part.set_shape(share.shape)
-        return arrived
+        held = self.in_flight if self.overlap else tf.zeros([], tf.float32)
+        mixed, took_held = tf.numpy_function(run, [share, step, held, average_now], [tf.float32, tf.bool],
+                                             stateful=True, name=f"{self.name}.p2p")
+        mixed.set_shape(share.shape)
+        took_held.set_shape([])
+        if self.overlap:  # what it held is mixed in now
+            with tf.control_dependencies([mixed]):
+                tf.cond(took_held, lambda: self.in_flight.assign(tf.zeros_like(self.in_flight)).op, tf.no_op)
+        return mixed
 
     def flush(self):
         """transport="mpi" with overlap, between steps: waits for the messages of the last step and keeps them in
