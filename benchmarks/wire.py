@@ -21,7 +21,8 @@ python wire.py --role=worker ...` with a hard timeout per job. With
 enters each host's namespace where ssh would log into it
 (launch.run_in_namespaces): Horovod's collectives then run over Open MPI, and
 SGP can send point to point (sgp_mpi, sgp_overlap_mpi); the tables of such a
-run are published apart (wire_<model>_mpi).
+run are published apart (wire_<model>_mpi). With --tf_cpu_allocator=bfc the ranks run with
+TF_CPU_ALLOCATOR_USE_BFC=1 (launch.run_in_namespaces says why), their tables apart (_bfc).
 
 Each worker trains `--warmup` steps, then, between two tiny allreduce
 barriers, `--steps` timed steps, and reads its host's interface's kernel counters
