@@ -162,6 +162,11 @@ def run_example(script, ranks, flags, timeout=1200, json_flag="history", launche
 # -- ranks in network namespaces (wire.py, time_to_accuracy.py) ------------------------------------
 #: how run_in_namespaces starts the ranks
 LAUNCHERS = ("gloo", "mpi")
+#: Open MPI's TCP transport without its emulated RDMA ("put", on by default), under which two large messages
+#: crossing between two ranks in opposite directions took turns: 1,650-1,730 ms for 100 MB each way at 1 Gbit/s,
+#: against 840-1,000 without it, what one such message takes alone (Open MPI 4.1.4). Horovod's allreduce, which
+#: sends in segments, was not slowed (1,000-1,060 ms with and without).
+MPI_TCP_FLAGS = "send,inplace,need-ack,need-csum"
 #: TensorFlow's CPU allocators run_in_namespaces can give the ranks
 TF_CPU_ALLOCATORS = ("default", "bfc")
 
@@ -178,7 +183,8 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gl
     names and slots (net.slots) and, as its remote shell, net.rsh_agent: where ssh would log into a host, it
     enters the host's namespace, so mpirun's daemon on that host and the ranks it starts live there; MPI's
     and its daemons' TCP stay on the shaped subnet. Horovod then runs its collectives over MPI, and
-    PushSumOptimizer(transport="mpi") can send point to point. The ranks share this machine's few cores,
+    PushSumOptimizer(transport="mpi") can send point to point; Open MPI's TCP transport runs without its
+    emulated RDMA (MPI_TCP_FLAGS). The ranks share this machine's few cores,
     and a rank waiting in MPI polls: mpi_yield_when_idle makes it yield the core while it waits (steps
     1.2-1.9x longer without it on 4 ranks of 2 cores).
 
@@ -214,7 +220,8 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gl
                 procs.append(_start(["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(n), "-H", net.slots,
                                      "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl",
                                      "^openib", "-mca", "plm_rsh_agent", str(agent),
-                                     "-mca", "mpi_yield_when_idle", "1", "-mca", "oob_tcp_if_include", str(net.subnet),
+                                     "-mca", "mpi_yield_when_idle", "1", "-mca", "btl_tcp_flags", MPI_TCP_FLAGS,
+                                     "-mca", "oob_tcp_if_include", str(net.subnet),
                                      "-mca", "btl_tcp_if_include", str(net.subnet), *argv], env, tmp / "mpirun.log"))
                 wait_all(procs, timeout, lambda: logs(tmp, ["mpirun"], lines=60), what)
             return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]

@@ -27,7 +27,8 @@ import horovod.tensorflow as hvd
 COLLECT_TIMEOUT_SECONDS = 120.0
 #: How long a rank waits at exit for its sends to be delivered and for the other ranks to close.
 CLOSE_TIMEOUT_SECONDS = 120.0
-#: How often the communication thread asks MPI whether a step's messages arrived (it sleeps in between).
+#: How often the communication thread asks MPI whether a step's messages arrived (it waits for the next step's
+#: messages to send in between).
 POLL_SECONDS = 0.0005
 #: MPI guarantees tags up to 32767; a step's messages are tagged step mod TAGS.
 TAGS = 32768
@@ -130,34 +131,48 @@ class Mailbox:
             self.thread.join(CLOSE_TIMEOUT_SECONDS + 1)
 
     def _run(self):
-        """The communication thread: per step, posts the receives and the sends, and marks the step done once its
-        receives completed. A send completes when its receiver takes it (MPI's rendezvous for large messages), which
-        this rank does not wait for: it holds the payload until then, and MPI moves it while this thread waits on
-        later receives."""
-        MPI, sending = self.MPI, []
+        """The communication thread: posts each step's receives and sends as soon as the step is handed over, and
+        marks a step done once its receives completed, polling every step in flight: a step whose messages are late
+        holds back neither the posting of the next steps nor their completion (a large message moves only once
+        its receive is posted: MPI's rendezvous). A send completes when its receiver takes it, which this rank
+        does not wait for: it holds the payload until then."""
+        MPI, sending, arriving = self.MPI, [], []  # arriving: (requests, done event) of each step in flight
         reached = collections.deque()  # max_drift: one Ibarrier per posted step, oldest first (every rank posts
         # the same steps in the same order, so the barriers pair up by count)
         while True:
-            job = self.jobs.get()
+            try:  # waits for the next step's job, or, while anything is in flight, polls MPI every POLL_SECONDS
+                job = self.jobs.get(timeout=POLL_SECONDS if arriving or sending else None)
+            except queue.Empty:
+                job = ()
             if job is None:  # close(); MPI is finalised already after the user's own hvd.shutdown()
                 if not MPI.Is_finalized():
-                    self._wait([request for request, _ in sending] + list(reached) + [self.comm.Ibarrier()],
-                               CLOSE_TIMEOUT_SECONDS)
+                    self._wait([request for request, _ in sending] + [r for requests, _ in arriving for r in requests]
+                               + list(reached) + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
                 return
-            step, payload, to, senders, inbox, done = job
             try:
-                tag = step % TAGS
-                waits = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
-                sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
-                if self.max_drift:
-                    reached.append(self.comm.Ibarrier())
-                    while len(reached) > self.max_drift:  # the barrier of the step D posts back
-                        waits.append(reached.popleft())
-                self._wait(waits)
+                if job:
+                    step, payload, to, senders, inbox, done = job
+                    tag = step % TAGS
+                    waits = [self.comm.Irecv(buffer, source=s, tag=tag) for s, buffer in zip(senders, inbox)]
+                    sending += [(self.comm.Isend(payload, dest=r, tag=tag), payload) for r in to]
+                    if self.max_drift:
+                        reached.append(self.comm.Ibarrier())
+                        while len(reached) > self.max_drift:  # the barrier of the step D posts back
+                            waits.append(reached.popleft())
+                    arriving.append((waits, done))
+                still = []
+                for waits, done in arriving:
+                    if MPI.Request.Testall(waits):
+                        done.set()
+                    else:
+                        still.append((waits, done))
+                arriving = still
                 sending = [(request, held) for request, held in sending if not request.Test()]
             except Exception as e:  # reported by collect
                 self.failure = e
-            done.set()
+                for _, done in arriving + ([(None, job[-1])] if job else []):
+                    done.set()
+                arriving = []
 
     def _wait(self, requests, timeout=None):
         """Until `requests` completed (or `timeout` seconds passed: a warning), polling: MPI's own wait spins,
