@@ -146,8 +146,9 @@ class Mailbox:
                 job = ()
             if job is None:  # close(); MPI is finalised already after the user's own hvd.shutdown()
                 if not MPI.Is_finalized():
-                    self._wait([request for request, _ in sending] + [r for requests, _ in arriving for r in requests]
-                               + list(reached) + [self.comm.Ibarrier()], CLOSE_TIMEOUT_SECONDS)
+                    self._wait_at_exit([request for request, _ in sending]
+                                       + [r for requests, _ in arriving for r in requests]
+                                       + list(reached) + [self.comm.Ibarrier()])
                 return
             try:
                 if job:
@@ -170,18 +171,20 @@ class Mailbox:
                 sending = [(request, held) for request, held in sending if not request.Test()]
             except Exception as e:  # reported by collect
                 self.failure = e
-                for _, done in arriving + ([(None, job[-1])] if job else []):
+                for _, done in arriving:
                     done.set()
+                if job:  # its receives may not have been posted
+                    job[-1].set()
                 arriving = []
 
-    def _wait(self, requests, timeout=None):
-        """Until `requests` completed (or `timeout` seconds passed: a warning), polling: MPI's own wait spins,
-        taking a core from the step."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait_at_exit(self, requests):
+        """Until `requests` completed (or CLOSE_TIMEOUT_SECONDS passed: a warning), polling: MPI's own wait spins,
+        taking a core from the ranks still computing."""
+        deadline = time.monotonic() + CLOSE_TIMEOUT_SECONDS
         while not self.MPI.Request.Testall(requests):
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 logging.getLogger("hvd_compress").warning(
                     "rank %d: point-to-point gossip gave up waiting for the other ranks at exit after %.0f s.",
-                    self.rank, timeout)
+                    self.rank, CLOSE_TIMEOUT_SECONDS)
                 return
             time.sleep(POLL_SECONDS)
