@@ -113,6 +113,7 @@ def test_an_mpi_launch_gossips_point_to_point_over_the_shaped_links(tmp_path, fu
     assert abs(sgp["wire_vs_accounted"] - sgp["control_vs_accounted_est"]) < 0.05, output
 
 
+@pytest.mark.usefixtures("network_to_itself")
 def test_point_to_point_gossip_without_an_mpi_launch_is_refused_before_anything_starts(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "wire.py"), "--methods=horovod_fp32,sgp_mpi",
                            f"--out={tmp_path / 'wire.json'}"], capture_output=True, text=True, timeout=120,
