@@ -4,10 +4,16 @@ Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep
 Learning", ICML 2019. Each rank i keeps a PushSum numerator x_i and weight w_i;
 the model (the Keras variables) holds the de-biased z_i = x_i / w_i. Per step:
 
-    z_i <- wrapped optimizer step on z_i (its own gradient, no allreduce)
-    x_i = w_i z_i
+    u_i = the wrapped optimizer's update from z_i's gradient (its own, no allreduce)
+    x_i = w_i z_i + u_i                  (the paper's x_i <- x_i - lr grad, on the numerator)
     send (x_i, w_i) / (p + 1) to each of the p out-peers of step t, keep that share
     x_i, w_i <- kept share + everything received;  z_i = x_i / w_i
+
+The update lands on the numerator, so the average of all mass (in flight included)
+moves by the mean update whatever the w_i. Without overlap w_i stays 1 (every graph
+here is regular: a rank receives as many shares as it sends); with overlap a rank
+holds about 2/3 of its weight while a third is in flight, and a step on z_i instead
+would train at about 2/3 of the learning rate.
 
 Every step's mixing matrix is column-stochastic (each rank splits all of its
 mass), so sum_i w_i = n and sum_i x_i are preserved, and ranks reach consensus
@@ -183,13 +189,24 @@ class PushSum:
         branches = [lambda p=p: for_phase(p) for p in range(period)]
         return tf.switch_case(tf.cast(step % period, tf.int32), branches)
 
-    def __call__(self, variables, step):
-        """One gossip round on the (already locally updated) variables z."""
+    def before_step(self, variables):
+        """z_i before the wrapped optimizer's step, as float32, where w_i differs from 1 (overlap); None where it
+        stays 1, and w_i z_i + u_i is the stepped z_i. (A value read now: tf.cast alone would return a float32
+        variable itself, read after the step.)"""
+        return [tf.cast(tf.identity(v), tf.float32) for v in variables] if self.overlap else None
+
+    def __call__(self, variables, step, before=None):
+        """One gossip round on the variables, stepped by the wrapped optimizer from `before` (before_step's)."""
         self.agreement.check()
         with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
             w = tf.identity(self.weight)
         # The mass travels in float32 whatever the variables' dtype (float16 variables included).
-        x = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) * w for v in variables] + [tf.reshape(w, [1])], 0)
+        flat = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in variables]
+        if before is None:  # w_i = 1: x_i = z_i + u_i, the stepped z_i (times w_i, which is 1)
+            numerators = [z * w for z in flat]
+        else:  # x_i = w_i z_i + u_i, with u_i = stepped z_i - z_i
+            numerators = [z - (1.0 - w) * tf.reshape(z0, [-1]) for z, z0 in zip(flat, before)]
+        x = tf.concat(numerators + [tf.reshape(w, [1])], 0)
         peers = len(out_peers(self.graph, self.rank, self.size, 0))
         share = x / float(peers + 1)
         average_now = (tf.equal((step + 1) % self.average_every, 0) if self.average_every else tf.constant(False))
@@ -318,8 +335,9 @@ class _PushSumOptimizerMixin(WrapperCore):
             self.build(variables)
         check_known_variables(self._hc_pushsum.variable_ids, variables, "PushSumOptimizer")
         step = tf.identity(self.iterations)
+        before = self._hc_pushsum.before_step(variables)
         iteration = self._hc_wrapped_apply(pairs)
-        self._hc_pushsum(variables, step)
+        self._hc_pushsum(variables, step, before)
         return iteration
 
 

@@ -508,10 +508,11 @@ def two_way_quantized_means(inputs, bounds, cuts, bits, stochastic, error_feedba
 
 
 class PushSum:
-    """Stochastic Gradient Push (Assran et al., ICML 2019) on SGD without momentum, in float32: each rank steps
-    z_i -= lr g_i, then splits (w_i z_i, w_i) into p + 1 equal shares (p: its out-peers at step 0), keeps one and
-    sends one to each out-peer of step t; a message sent at step t is mixed in at step t + tau (overlap: tau = 1),
-    summed in the senders' rank order; z_i = x_i / w_i. out_peers(rank, t) and in_peers(rank, t) name the graph."""
+    """Stochastic Gradient Push (Assran et al., ICML 2019) on SGD without momentum, in float32: each rank steps its
+    numerator, x_i = w_i z_i - lr g_i, then splits (x_i, w_i) into p + 1 equal shares (p: its out-peers at step 0),
+    keeps one and sends one to each out-peer of step t; a message sent at step t is mixed in at step t + tau
+    (overlap: tau = 1), summed in the senders' rank order; z_i = x_i / w_i. out_peers(rank, t) and in_peers(rank, t)
+    name the graph."""
 
     def __init__(self, starts, out_peers, in_peers, tau):
         self.z = [np.asarray(s, np.float32).copy() for s in starts]
@@ -523,8 +524,7 @@ class PushSum:
         n = len(self.z)
         shares = []
         for i in range(n):
-            self.z[i] = self.z[i] - np.float32(lr) * grads[i]
-            x = np.concatenate([self.z[i] * self.w[i], [self.w[i]]]).astype(np.float32)
+            x = np.concatenate([self.z[i] * self.w[i] - np.float32(lr) * grads[i], [self.w[i]]]).astype(np.float32)
             shares.append(x / np.float32(len(self.out_peers(i, 0)) + 1))
         arrivals = []
         for i in range(n):
