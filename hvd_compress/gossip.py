@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, p2p, state
+from hvd_compress import exchange, ops, p2p, state
 from hvd_compress.keras_compat import (WrapperCore, refuse_saved_process_set, refuse_wrapped, register_loader,
                                        saved_process_set, wrap_in_place)
 from hvd_compress.gradient_exchange import check_known_variables
@@ -200,15 +200,11 @@ class PushSum:
         self.agreement.check()
         with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
             w = tf.identity(self.weight)
+        # The share (x_i, w_i) / (p + 1) in one pass (ops.push_sum_share), x_i = w_i z_i + u_i: the stepped z_i (times
+        # w_i, which is 1) where before is None, else the stepped z_i - (1 - w_i) before (u_i = stepped z_i - before).
         # The mass travels in float32 whatever the variables' dtype (float16 variables included).
-        flat = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in variables]
-        if before is None:  # w_i = 1: x_i = z_i + u_i, the stepped z_i (times w_i, which is 1)
-            numerators = [z * w for z in flat]
-        else:  # x_i = w_i z_i + u_i, with u_i = stepped z_i - z_i
-            numerators = [z - (1.0 - w) * tf.reshape(z0, [-1]) for z, z0 in zip(flat, before)]
-        x = tf.concat(numerators + [tf.reshape(w, [1])], 0)
         peers = len(out_peers(self.graph, self.rank, self.size, 0))
-        share = x / float(peers + 1)
+        share = ops.push_sum_share([tf.cast(v, tf.float32) for v in variables], w, peers + 1, before)
         average_now = (tf.equal((step + 1) % self.average_every, 0) if self.average_every else tf.constant(False))
         if self.transport == "mpi":
             mixed = self._post_and_mix(share, step, average_now)

@@ -25,7 +25,7 @@ FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignCompress", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
              "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed", "ResourceSubtractBlockSignMean",
-             "HvdCompressBuildInfo")
+             "PushSumShare", "HvdCompressBuildInfo")
 
 
 for _name in _OP_NAMES:  # the ops compute encodings, never gradients
@@ -273,6 +273,20 @@ def half_unpack(packed, shapes, dtypes):
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     flat = library().half_unpack(_tensors(packed), sizes=sizes, T=[tf.as_dtype(d) for d in dtypes])
     return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
+
+
+def push_sum_share(values, weight, parts, before=None):
+    """One of `parts` equal shares of a rank's PushSum mass (x, w) (Stochastic Gradient Push), in one pass: the
+    float32 vector [x / parts, w / parts], x over the float32 tensors `values` flattened and concatenated in order,
+
+        x = values * w                     before None (SGP without overlap, where w is 1)
+        x = values - (1 - w) * before      before: the values before the optimizer's step, of the same shapes
+
+    w = weight, a float32 scalar; parts >= 2. Each product, difference and quotient is rounded in float32 in this
+    order, as the same TensorFlow ops round them run eagerly: a division by parts, where in a tf.function Grappler
+    makes the ops' division by a constant a product by its rounded reciprocal."""
+    return library().push_sum_share(list(values), list(before or []), tf.convert_to_tensor(weight, tf.float32),
+                                    parts=int(parts))
 
 
 def check_sketch_size(rows, cols):

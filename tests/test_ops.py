@@ -403,6 +403,13 @@ def test_ops_have_no_gradient():
      tf.errors.InvalidArgumentError, "one shape"),
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([4]), [0.1, 0.2], 0.9, False),
      tf.errors.InvalidArgumentError, "lr, momentum and residual_scale must be scalars"),
+    (lambda: ops.push_sum_share([tf.ones([4]), tf.ones([2])], 1.0, 2, before=[tf.ones([4])]),
+     tf.errors.InvalidArgumentError, "no `before` or one per value: got 1 for 2 values"),
+    (lambda: ops.push_sum_share([tf.ones([4]), tf.ones([2, 2])], 1.0, 2, before=[tf.ones([4]), tf.ones([4])]),
+     tf.errors.InvalidArgumentError, "before\\[1\\] must have the shape of values\\[1\\], \\[2,2\\], got \\[4\\]"),
+    (lambda: ops.push_sum_share([tf.ones([4])], [1.0, 1.0], 2), tf.errors.InvalidArgumentError,
+     "weight must be a scalar"),
+    (lambda: ops.push_sum_share([tf.ones([4])], 1.0, 1), tf.errors.InvalidArgumentError, "parts.*minimum 2"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
@@ -559,3 +566,64 @@ def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, s
     _, a_of_tensor = ops.momentum_error_feed(tf.constant(g), m, e, lr, tf.constant(momentum), nesterov,
                                              tf.constant(scale))
     np.testing.assert_array_equal(a_of_tensor.numpy(), want_a)
+
+
+def tf_share(values, w, parts, before=None):
+    """The TensorFlow ops that PushSumShare replaces (hvd_compress/gossip.py's share before it)."""
+    flat = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values]
+    if before is None:
+        numerators = [z * w for z in flat]
+    else:
+        numerators = [z - (1.0 - w) * tf.reshape(z0, [-1]) for z, z0 in zip(flat, before)]
+    x = tf.concat(numerators + [tf.reshape(w, [1])], 0)
+    return x / float(parts)
+
+
+@SETTINGS
+@given(shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (16385,), (2, ref.KCHUNK + 3)]), min_size=1,
+                       max_size=5),
+       stepped=st.booleans(), parts=st.sampled_from([2, 3]), w=st.sampled_from([1.0, 0.6666667, 0.37]),
+       seed=st.integers(0, 2**16))
+def test_push_sum_share_matches_numpy_and_the_tensorflow_ops(shapes, stepped, parts, w, seed):
+    """SGP's share in one pass, bit for bit (signed zeros too) as NumPy's float32 and as the TensorFlow ops it
+    replaced, run eagerly: [w z, w] / parts, or with the values before the step [z - (1 - w) b, w] / parts, over
+    variables of any shape (a scalar, a matrix, parts crossing the chunk grid)."""
+    rng = np.random.default_rng(seed)
+    values = [sample(int(np.prod(s)), rng.integers(2**16)).numpy().reshape(s) for s in shapes]
+    steps = [rng.standard_normal(v.shape).astype(np.float32) * np.float32(1e-2) for v in values]
+    before = [v + u for v, u in zip(values, steps)] if stepped else None
+    weight = np.float32(w)
+    got = ops.push_sum_share([tf.constant(v) for v in values], weight, parts, before)
+    if before is None:
+        x = [v.ravel() * weight for v in values]
+    else:
+        x = [v.ravel() - (np.float32(1) - weight) * b.ravel() for v, b in zip(values, before)]
+    want = np.concatenate(x + [np.array([weight])]) / np.float32(parts)
+    assert got.dtype == tf.float32 and got.shape == [sum(v.size for v in values) + 1]
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(got.numpy().view(np.uint32),
+                                  tf_share(values, tf.constant(weight), parts, before).numpy().view(np.uint32))
+
+
+def test_push_sum_share_in_a_tf_function_divides_and_knows_its_length():
+    """In a tf.function the op gives its eager bits and a static length (the alltoall's splits need it). The
+    TensorFlow ops' bits differ there by up to an ulp at 3 parts (Grappler makes x / 3.0 a product by
+    float32(1 / 3)), and not at 2 (a product by 0.5 is the division)."""
+    values = [tf.Variable(sample(5 * ref.KCHUNK + 1, 5)), tf.Variable(tf.ones([3, 4]))]
+    before = [tf.constant(sample(5 * ref.KCHUNK + 1, 6)), tf.zeros([3, 4])]
+    w = tf.constant(0.6666667)
+
+    @tf.function
+    def share(parts):
+        result = ops.push_sum_share(values, w, parts, before)
+        assert result.shape.as_list() == [5 * ref.KCHUNK + 1 + 12 + 1]
+        return result, tf_share(values, w, parts, before)
+
+    eager = ops.push_sum_share(values, w, 3, before).numpy()
+    fused, by_tf_ops = share(3)
+    np.testing.assert_array_equal(fused.numpy().view(np.uint32), eager.view(np.uint32))
+    np.testing.assert_allclose(fused.numpy(), by_tf_ops.numpy(), rtol=2 ** -22, atol=0)
+    fused, by_tf_ops = share(2)
+    np.testing.assert_array_equal(fused.numpy().view(np.uint32), by_tf_ops.numpy().view(np.uint32))
+    with pytest.raises(ValueError, match="must be equal, but are 4 and 5"):  # the shape function checks as the kernel
+        tf.function(lambda: ops.push_sum_share([tf.ones([4])], 1.0, 2, before=[tf.ones([5])]))()

@@ -16,16 +16,7 @@ REGISTER_OP("HalfPack")
     .Output("packed: half")
     .Attr("T: list({float, half, bfloat16})")
     .SetShapeFn([](InferenceContext* c) {
-      int64_t total = 0;
-      for (int i = 0; i < c->num_inputs(); ++i) {
-        const int64_t n = c->Value(c->NumElements(c->input(i)));
-        if (n == InferenceContext::kUnknownDim) {
-          c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-          return absl::OkStatus();
-        }
-        total += n;
-      }
-      c->set_output(0, c->Vector(total));
+      c->set_output(0, c->Vector(TotalNumElements(c, 0, c->num_inputs())));
       return absl::OkStatus();
     })
     .Doc(R"doc(

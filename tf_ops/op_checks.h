@@ -117,6 +117,28 @@ inline absl::Status ScatterMeanAttrs(tensorflow::OpKernelConstruction* ctx, std:
   return absl::OkStatus();
 }
 
+// PushSumShare's `before`: none (M == 0) or one tensor per value (M == N).
+inline absl::Status PushSumBeforeCount(int n, int m) {
+  if (m != 0 && m != n) {
+    return InvalidArgument("PushSumShare takes no `before` or one per value: got ", m, " for ", n, " values");
+  }
+  return absl::OkStatus();
+}
+
+// PushSumShare's inputs: `before` none or one per value, each of its value's shape; weight a scalar.
+inline absl::Status PushSumShareInputs(const tensorflow::OpInputList& values, const tensorflow::OpInputList& before,
+                                       const Tensor& weight) {
+  TF_RETURN_IF_ERROR(PushSumBeforeCount(values.size(), before.size()));
+  for (int i = 0; i < before.size(); ++i) {
+    if (before[i].shape() != values[i].shape()) {
+      return InvalidArgument("before[", i, "] must have the shape of values[", i, "], ",
+                             values[i].shape().DebugString(), ", got ", before[i].shape().DebugString());
+    }
+  }
+  if (weight.dims() != 0) return InvalidArgument("weight must be a scalar, got shape ", weight.shape().DebugString());
+  return absl::OkStatus();
+}
+
 }  // namespace checks
 }  // namespace hvd_compress
 

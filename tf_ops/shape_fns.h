@@ -17,6 +17,18 @@ inline absl::Status VectorsOfSizes(tensorflow::shape_inference::InferenceContext
   return absl::OkStatus();
 }
 
+// The number of elements of inputs [begin, end) together (the length of their flattened concatenation), or
+// kUnknownDim when one of them has an unknown number.
+inline int64_t TotalNumElements(tensorflow::shape_inference::InferenceContext* c, int begin, int end) {
+  int64_t total = 0;
+  for (int i = begin; i < end; ++i) {
+    const int64_t n = c->Value(c->NumElements(c->input(i)));
+    if (n == tensorflow::shape_inference::InferenceContext::kUnknownDim) return n;
+    total += n;
+  }
+  return total;
+}
+
 }  // namespace hvd_compress
 
 #endif  // HVD_COMPRESS_TF_OPS_SHAPE_FNS_H_
