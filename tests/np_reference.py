@@ -507,6 +507,18 @@ def two_way_quantized_means(inputs, bounds, cuts, bits, stochastic, error_feedba
     return out
 
 
+def push_sum_share(values, w, parts, before=None):
+    """ops.push_sum_share in float32: [x / parts, w / parts] over the values flattened and concatenated, with
+    x = values * w, or values - (1 - w) * before (the model read before the wrapped optimizer's step)."""
+    w = np.float32(w)
+    if before is None:
+        x = [np.asarray(v, np.float32).ravel() * w for v in values]
+    else:
+        x = [np.asarray(v, np.float32).ravel() - (np.float32(1) - w) * np.asarray(b, np.float32).ravel()
+             for v, b in zip(values, before)]
+    return np.concatenate(x + [np.array([w], np.float32)]) / np.float32(parts)
+
+
 class PushSum:
     """Stochastic Gradient Push (Assran et al., ICML 2019) on SGD without momentum, in float32: each rank steps its
     numerator, x_i = w_i z_i - lr g_i, then splits (x_i, w_i) into p + 1 equal shares (p: its out-peers at step 0),

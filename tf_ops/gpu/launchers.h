@@ -131,6 +131,13 @@ int hc_quantize_decode_mean(const uint8_t* packed, const float* scales, const fl
                             int64_t num_blocks, int64_t n, int64_t m, int bits, const float* plus, float* y,
                             hc_stream stream);
 
+// ---- Stochastic Gradient Push (pushsum_kernels.cu): PushSumShare. values_host[num_parts] and before_host (NULL
+// without overlap, else one per value) hold device pointers, sizes_host their sizes, on the host; weight: the
+// device scalar w. share[sum(sizes) + 1] = [x / parts, w / parts], x = values * w (before NULL) or
+// values - (1 - w) * before, each part's slice in order. parts >= 2 (else cudaErrorInvalidValue).
+int hc_push_sum_share(const float* const* values_host, const float* const* before_host, const int64_t* sizes_host,
+                      int64_t num_parts, const float* weight, int64_t parts, float* share, hc_stream stream);
+
 #ifdef __cplusplus
 }
 #endif
