@@ -854,6 +854,38 @@ REGISTER_KERNEL_BUILDER(Name("BlockQuantizeCompress").Device(DEVICE_GPU).HostMem
 REGISTER_KERNEL_BUILDER(Name("BlockQuantizeDecodeMean").Device(DEVICE_GPU).HostMemory("bounds"),
                         BlockQuantizeDecodeMeanGpuOp);
 
+// ---------------------------------------------------------------------------
+// Stochastic Gradient Push's share (pushsum_ops.cc; CPU: pushsum_kernels.cc). The weight stays on the device.
+
+class PushSumShareGpuOp : public OpKernel {
+ public:
+  explicit PushSumShareGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &parts_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList values, before;
+    const Tensor* weight = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
+    OP_REQUIRES_OK(ctx, ctx->input_list("before", &before));
+    OP_REQUIRES_OK(ctx, ctx->input("weight", &weight));
+    OP_REQUIRES_OK(ctx, checks::PushSumShareInputs(values, before, *weight));
+    Parts<const float*> z, b;
+    for (int i = 0; i < values.size(); ++i) z.Add(values[i]);
+    for (int i = 0; i < before.size(); ++i) b.Add(before[i]);
+    const int64_t total = PartIndex(z.sizes).total();
+    Tensor* share = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total + 1}), &share));
+    HC_LAUNCH(ctx, hc_push_sum_share, z.pointers.data(), before.size() > 0 ? b.pointers.data() : nullptr,
+              z.sizes.data(), z.count(), Ptr<const float>(*weight), parts_, Ptr<float>(*share), StreamOf(ctx));
+  }
+
+ private:
+  int64_t parts_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("PushSumShare").Device(DEVICE_GPU), PushSumShareGpuOp);
+
 #undef HC_LAUNCH
 
 }  // namespace
