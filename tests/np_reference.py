@@ -520,8 +520,8 @@ def push_sum_share(values, w, parts, before=None):
 
 
 class PushSum:
-    """Stochastic Gradient Push (Assran et al., ICML 2019) on SGD without momentum, in float32: each rank steps its
-    numerator, x_i = w_i z_i - lr g_i, then splits (x_i, w_i) into p + 1 equal shares (p: its out-peers at step 0),
+    """Stochastic Gradient Push (Assran et al., ICML 2019) in float32: each rank steps its numerator by its inner
+    optimizer's step u_i (SGD without momentum: -lr g_i), x_i = w_i z_i + u_i, then splits (x_i, w_i) into p + 1 equal shares (p: its out-peers at step 0),
     keeps one and sends one to each out-peer of step t; a message sent at step t is mixed in at step t + tau
     (overlap: tau = 1), summed in the senders' rank order; z_i = x_i / w_i. out_peers(rank, t) and in_peers(rank, t)
     name the graph."""
@@ -532,11 +532,12 @@ class PushSum:
         self.out_peers, self.in_peers, self.tau = out_peers, in_peers, tau
         self.pending = [np.zeros(self.z[0].size + 1, np.float32) for _ in starts]  # sent, not yet mixed in
 
-    def step(self, grads, lr, t):
+    def step(self, updates, t):
+        """Step t, updates[i] rank i's u_i (computed from self.z[i])."""
         n = len(self.z)
         shares = []
         for i in range(n):
-            x = np.concatenate([self.z[i] * self.w[i] - np.float32(lr) * grads[i], [self.w[i]]]).astype(np.float32)
+            x = np.concatenate([self.z[i] * self.w[i] + updates[i], [self.w[i]]]).astype(np.float32)
             shares.append(x / np.float32(len(self.out_peers(i, 0)) + 1))
         arrivals = []
         for i in range(n):

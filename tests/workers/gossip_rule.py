@@ -1,8 +1,8 @@
 """hc.PushSumOptimizer's step against the NumPy reference of PushSum with messages delayed by tau steps
 (overlap=False: 0; overlap=True: 1), on every rank, over both transports.
 
-Each case trains w and b (rule_inputs: every rank its own gradients) with SGD without momentum for --steps
-graph-mode steps. Over alltoall each world size of --world_sizes runs on a process set of ranks 0..n-1; over MPI
+Each case trains w and b (rule_inputs: every rank its own gradients) with SGD without momentum, or AdamW on
+rule_inputs' schedule, for --steps graph-mode steps. Over alltoall each world size of --world_sizes runs on a process set of ranks 0..n-1; over MPI
 (launched with MPI only) the whole world runs, and must give the alltoall run's bits. Every case runs at the
 launch's world size; below it, CASES_BELOW_LAUNCH (--every_case_at_every_size: every case). After the steps every
 rank holds the reference's z_i; the weights with the mass in flight (what `flush` leaves in in_flight) sum to n.
@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 from hvd_compress.gossip import in_peers, out_peers
-from rule_inputs import grads_of, train
+from rule_inputs import adam, grads_of, rate, train
 from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_integer("steps", 6, "Steps of each case.")
@@ -28,21 +28,28 @@ flags.DEFINE_bool("every_case_at_every_size", False, "Every case at each world s
 flags.DEFINE_bool("refused", False, "Only report the error of PushSumOptimizer(transport='mpi') (a Gloo launch).")
 FLAGS = flags.FLAGS
 LR = 0.1
-#: (graph, overlap, average_every)
-CASES = [("exponential", False, None), ("exponential", True, None), ("exponential2", True, None),
-         ("ring", True, 4)]
+WEIGHT_DECAY = 0.05
+#: (graph, overlap, average_every, inner optimizer)
+CASES = [("exponential", False, None, "sgd"), ("exponential", True, None, "sgd"), ("exponential2", True, None, "sgd"),
+         ("ring", True, 4, "sgd"), ("exponential", True, None, "adamw")]
 #: The cases at world sizes below the launch's: every graph, with and without overlap and average_every, meets each
-#: size (the one case left out, exponential with overlap, adds no such pair; it runs at the launch's size).
-CASES_BELOW_LAUNCH = [CASES[0], *CASES[2:]]
+#: size (the cases left out, exponential with overlap under SGD and AdamW, add no such pair; they run at the launch's
+#: size).
+CASES_BELOW_LAUNCH = [CASES[0], *CASES[2:4]]
 
 
 def flat(rank, t):
     return np.concatenate([g.reshape(-1) for g in grads_of(rank, t)])
 
 
-def run(graph, overlap, average_every, process_set, transport):
+def inner(optimizer):
+    """The wrapped optimizer: SGD at LR, or AdamW (rule_inputs.adam: a tenth of the schedule)."""
+    return tf.keras.optimizers.SGD(LR) if optimizer == "sgd" else adam(weight_decay=WEIGHT_DECAY)
+
+
+def run(graph, overlap, average_every, optimizer, process_set, transport):
     """This rank's z (w and b, flat) after the steps, and the weight plus the mass in flight."""
-    w, b, opt, _ = train(tf.keras.optimizers.SGD(LR), FLAGS.steps, process_set.rank(), wrap=hc.PushSumOptimizer,
+    w, b, opt, _ = train(inner(optimizer), FLAGS.steps, process_set.rank(), wrap=hc.PushSumOptimizer,
                          graph=graph, overlap=overlap, average_every=average_every, process_set=process_set,
                          transport=transport)
     opt.pushsum.flush()
@@ -51,12 +58,23 @@ def run(graph, overlap, average_every, process_set, transport):
     return np.concatenate([w, b]), mass
 
 
-def reference(graph, overlap, average_every, n, rank):
+def reference(graph, overlap, average_every, optimizer, n, rank):
     d = flat(0, 0).size
     pushsum = ref.PushSum([np.zeros(d, np.float32)] * n, lambda i, t: out_peers(graph, i, n, t),
                           lambda i, t: in_peers(graph, i, n, t), tau=int(overlap))
+    # AdamW: each rank's Keras Adam with decay on its own gradients (OneBitAdam of one worker, never compressing)
+    adams = [ref.OneBitAdam(d, 1, FLAGS.steps, weight_decay=WEIGHT_DECAY) for _ in range(n)]
+
+    def update(r, t):
+        """Rank r's inner step u_r from its z_r."""
+        if optimizer == "sgd":
+            return -np.float32(LR) * flat(r, t)
+        stepped = pushsum.z[r].copy()
+        adams[r].step(stepped, [flat(r, t)], np.float32(rate(t) / 10))
+        return stepped - pushsum.z[r]
+
     for t in range(FLAGS.steps):
-        pushsum.step([flat(r, t) for r in range(n)], LR, t)
+        pushsum.step([update(r, t) for r in range(n)], t)
         if average_every and (t + 1) % average_every == 0:  # the exact average, mass in flight included
             x = np.mean([np.append(z * w, w) + p for z, w, p in zip(pushsum.z, pushsum.w, pushsum.pending)], axis=0)
             pushsum.z, pushsum.w = [x[:-1] / x[-1]] * n, [x[-1]] * n

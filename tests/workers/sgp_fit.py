@@ -1,4 +1,5 @@
-"""SGP in model.fit as users run it: PushSumOptimizer over MPI point to point with overlap, validation data, and
+"""SGP in model.fit as users run it: PushSumOptimizer over MPI point to point with overlap (wrapping SGD with
+momentum in case "final", AdamW in "every_epoch"), validation data, and
 hc.callbacks.Consensus before a rank-0 ModelCheckpoint (every epoch) and an EarlyStopping that stops the
 run after 2 of its 4 epochs (on every rank alike: no rank's val_loss gains 1.0). Per case in --cases ("final":
 Consensus() at fit's end only; "every_epoch": Consensus(every_epoch=True)) each rank reports, per epoch, the
@@ -41,8 +42,9 @@ def run(keras, broadcast, case, data, directory):
     tf.keras.utils.set_random_seed(hvd.rank())  # the ranks start apart; the broadcast makes them alike
     train_set, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), 32, 0)
     model = digits.cnn(keras, 0)
-    model.compile(optimizer=hc.PushSumOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), overlap=True,
-                                                transport="mpi"),
+    inner = (keras.optimizers.SGD(0.05, momentum=0.9) if case == "final" else
+             keras.optimizers.AdamW(1e-3, weight_decay=0.01))
+    model.compile(optimizer=hc.PushSumOptimizer(inner, overlap=True, transport="mpi"),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     probe, path = Probe(), str(directory / f"{case}.weights.h5")
     checkpoints = [keras.callbacks.ModelCheckpoint(path, save_weights_only=True)] if hvd.rank() == 0 else []
