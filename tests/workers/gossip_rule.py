@@ -2,12 +2,13 @@
 (overlap=False: 0; overlap=True: 1), on every rank, over both transports.
 
 Each case trains w and b (rule_inputs: every rank its own gradients) with SGD without momentum, or AdamW on
-rule_inputs' schedule, for --steps graph-mode steps. Over alltoall each world size of --world_sizes runs on a process set of ranks 0..n-1; over MPI
-(launched with MPI only) the whole world runs, and must give the alltoall run's bits. Every case runs at the
-launch's world size; below it, CASES_BELOW_LAUNCH (--every_case_at_every_size: every case). After the steps every
-rank holds the reference's z_i; the weights with the mass in flight (what `flush` leaves in in_flight) sum to n.
-Reports {"n/transport/case": digest} and the sums. Rank 0 leaves 2 s after the others, as after saving a model:
-the mailboxes, closed at exit, must hold back Horovod's shutdown on the others (it finalises MPI on every rank)."""
+rule_inputs' schedule, for --steps graph-mode steps. Over alltoall each world size of --world_sizes runs on a
+process set of ranks 0..n-1; over MPI (launched with MPI only) the whole world runs, and must give the alltoall
+run's bits. Every case runs at the launch's world size; below it, CASES_BELOW_LAUNCH (--every_case_at_every_size:
+every case). After the steps every rank holds the reference's z_i; the weights with the mass in flight (what
+`flush` leaves in in_flight) sum to n. Reports {"n/transport/case": digest} and the sums. Rank 0 leaves 2 s after
+the others, as after saving a model: the mailboxes, closed at exit, must hold back Horovod's shutdown on the
+others (it finalises MPI on every rank)."""
 import hashlib
 import time
 
