@@ -16,7 +16,7 @@ horovod_fp16 are Horovod's own DistributedOptimizer; none (the same fp32
 allreduce in hvd_compress's wrapper, whose SGD update runs in fused kernels, as
 in every hc method: it separates that from what compression buys), fp16,
 onebit (two-way), topk (1%) and powersgd (rank 4) hvd_compress's; any other of
-wire.METHODS, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
+wire.METHODS but its no_exchange, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
 --hosts, --methods, --batch_size, --slow_start_after_idle, --launcher, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
@@ -337,7 +337,8 @@ def main(_):
     if FLAGS.role == "worker":
         return worker()
     methods = [FLAGS.reference] + [m for m in FLAGS.methods if m != FLAGS.reference]  # the target first
-    launch.check_names("time_to_accuracy.py", "methods", methods, wire.METHODS)
+    launch.check_names("time_to_accuracy.py", "methods", methods,
+                       [m for m in wire.METHODS if m != wire.NO_EXCHANGE])  # (whose ranks never agree)
     launch.check_launcher("time_to_accuracy.py", methods, FLAGS.launcher)
     if FLAGS.task == "digits" and (len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10"):
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "

@@ -117,6 +117,9 @@ VARIANTS = {
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
 BASELINES = ("horovod_fp32", "horovod_fp16")
+#: Each rank steps its own model and sends nothing: the step's compute alone, the floor that an exchange hidden
+#: behind it approaches.
+NO_EXCHANGE = "no_exchange"
 #: hc.DistributedOptimizer(hierarchical=True): hier_<name> is hc.methods' <name> averaged inside each host and
 #: compressed across hosts; hier_none is Horovod's hierarchical fp32 allreduce (the algorithm of its NCCL build,
 #: which its CPU build lacks: HOROVOD_HIERARCHICAL_ALLREDUCE does nothing there)
@@ -124,7 +127,7 @@ HIERARCHICAL = {f"hier_{name}": name for name in ("none", "fp16", "onebit", "one
                                                   "topk", "randomk", "powersgd")}
 # make_optimizer's methods, Horovod's own first:
 METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION,
-           *HIERARCHICAL]
+           *HIERARCHICAL, NO_EXCHANGE]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 MODELS = [*MLPS, "digits_cnn"]
@@ -188,6 +191,8 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
         # hierarchical: what crosses to other hosts (the rest stays on the host's loopback)
         **{name: (lambda opt, params: opt.compression_exchange.cross_host_bytes) for name in HIERARCHICAL},
     }.get(VARIANTS.get(method, (method,))[0], lambda opt, params: opt.compression_exchange.bytes_sent)
+    if method == NO_EXCHANGE:
+        return base_optimizer, lambda num_params: 0.0
     if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
         optimizer = hc.DistributedOptimizer(base_optimizer, **wrapper_kwargs)
         optimizer.compression_exchange.use_accordion(
@@ -307,9 +312,10 @@ def summarize(rate, layout, model, method, ranks):
         tcp_payload=statistics.fmean(payload), retrans_per_step=host_mean("retrans"),
         control_tx_bytes_per_s=statistics.fmean(r["control"]["tx_bytes"] for r in hosts),
         control_payload_per_step_est=statistics.fmean(control),
-        raw_vs_accounted=host_mean("tx_bytes") / accounted - 1 if one_rank_hosts else None,
-        wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts else None,
-        control_vs_accounted_est=statistics.fmean(control) / accounted,
+        # (none where nothing is accounted: no_exchange)
+        raw_vs_accounted=host_mean("tx_bytes") / accounted - 1 if one_rank_hosts and accounted else None,
+        wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts and accounted else None,
+        control_vs_accounted_est=statistics.fmean(control) / accounted if accounted else None,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
         tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks)
@@ -354,10 +360,11 @@ def main(_):
                         r = rows[-1]
                         wire = ("" if r["wire_vs_accounted"] is None else
                                 f" (TCP payload {r['wire_vs_accounted']:+.2%} vs accounted)")
+                        control = ("" if r["control_vs_accounted_est"] is None else
+                                   f", would be {r['control_vs_accounted_est']:+.2%} over a step")
                         print(f"{rate} {net.layout} {model} {method}: step {r['step_ms']:.1f} ms, accounted "
                               f"{r['accounted']:,.0f} B, host link tx {r['veth_tx_bytes']:,.0f} B{wire}; Horovod's "
-                              f"idle control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s, would be "
-                              f"{r['control_vs_accounted_est']:+.2%} over a step", flush=True)
+                              f"idle control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s{control}", flush=True)
     for rate in FLAGS.rates:
         print(f"\n### {rate}\n")
         print(render([r for r in rows if r["rate"] == rate]))
@@ -399,14 +406,16 @@ def render(rows):
             f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
             f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}; "
             f"{launch.launched(r0.get('launcher', 'gloo'))}; {allocator}. Hosts: HxL is H "
-            f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step.")
+            f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step."
+            + (f" {NO_EXCHANGE}: each rank steps alone and sends nothing (the step's compute alone)."
+               if any(r["method"] == NO_EXCHANGE for r in rows) else ""))
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
          "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "host link bytes vs Horovod fp32"],
         [[r["rate"], layout_of(r), r["model"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
           versus(r, horovod["fp16"]), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
-          versus(r, horovod["fp32"], "veth_tx_bytes")] for r in rows],
+          versus(r, horovod["fp32"], "veth_tx_bytes") if r["accounted"] else "-"] for r in rows],
         align=["l", "l", "l", "l"] + ["r"] * 7)
     return f"{note}\n\n{table}"
 
