@@ -258,7 +258,7 @@ def run(net, method):
             f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}", f"--batch_size={FLAGS.batch_size}",
             *([] if setting("compression_warmup") is None else [f"--compression_warmup={setting('compression_warmup')}"])]
     ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}",
-                                     launcher=FLAGS.launcher)
+                                     launcher=FLAGS.launcher, point_to_point=launch.needs_mpi(method))
     # The first step is counted as the median step of the slowest rank, not as its tracing time.
     first_step = max(r["median_step_s"] for r in ranks)
     curve = [dict(step=step, seconds=clock + (first_step if step else 0.0), accuracy=accuracy)

@@ -288,7 +288,7 @@ def run_job(net, model, method):
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
                                     inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher,
-                                    tf_cpu_allocator=FLAGS.tf_cpu_allocator)
+                                    tf_cpu_allocator=FLAGS.tf_cpu_allocator, point_to_point=launch.needs_mpi(method))
 
 
 def summarize(rate, layout, model, method, ranks):
@@ -318,7 +318,8 @@ def summarize(rate, layout, model, method, ranks):
         control_vs_accounted_est=statistics.fmean(control) / accounted if accounted else None,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
-        tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks)
+        tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks,
+        tcp_progress_thread=FLAGS.launcher == "mpi" and launch.needs_mpi(method))
 
 
 def layouts():
@@ -408,7 +409,10 @@ def render(rows):
             f"{launch.launched(r0.get('launcher', 'gloo'))}; {allocator}. Hosts: HxL is H "
             f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step."
             + (f" {NO_EXCHANGE}: each rank steps alone and sends nothing (the step's compute alone)."
-               if any(r["method"] == NO_EXCHANGE for r in rows) else ""))
+               if any(r["method"] == NO_EXCHANGE for r in rows) else "")
+            + (" The jobs that send point to point ran with Open MPI's TCP progress thread (btl_tcp_progress_thread=1), "
+               "the others without (launch.MPI_POINT_TO_POINT_MCA)." if any(r.get("tcp_progress_thread") for r in rows)
+               else ""))
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
          "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "host link bytes vs Horovod fp32"],
