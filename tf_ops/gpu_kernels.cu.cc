@@ -866,10 +866,7 @@ class PushSumShareGpuOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     OpInputList values, before;
     const Tensor* weight = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
-    OP_REQUIRES_OK(ctx, ctx->input_list("before", &before));
-    OP_REQUIRES_OK(ctx, ctx->input("weight", &weight));
-    OP_REQUIRES_OK(ctx, checks::PushSumShareInputs(values, before, *weight));
+    OP_REQUIRES_OK(ctx, checks::PushSumShareInputs(ctx, &values, &before, &weight));
     Parts<const float*> z, b;
     for (int i = 0; i < values.size(); ++i) z.Add(values[i]);
     for (int i = 0; i < before.size(); ++i) b.Add(before[i]);

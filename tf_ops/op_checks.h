@@ -125,9 +125,16 @@ inline absl::Status PushSumBeforeCount(int n, int m) {
   return absl::OkStatus();
 }
 
-// PushSumShare's inputs: `before` none or one per value, each of its value's shape; weight a scalar.
-inline absl::Status PushSumShareInputs(const tensorflow::OpInputList& values, const tensorflow::OpInputList& before,
-                                       const Tensor& weight) {
+// PushSumShare's inputs, read from ctx and checked: `before` none or one per value, each of its value's shape;
+// weight a scalar.
+inline absl::Status PushSumShareInputs(tensorflow::OpKernelContext* ctx, tensorflow::OpInputList* values_out,
+                                       tensorflow::OpInputList* before_out, const Tensor** weight_out) {
+  TF_RETURN_IF_ERROR(ctx->input_list("values", values_out));
+  TF_RETURN_IF_ERROR(ctx->input_list("before", before_out));
+  TF_RETURN_IF_ERROR(ctx->input("weight", weight_out));
+  const tensorflow::OpInputList& values = *values_out;
+  const tensorflow::OpInputList& before = *before_out;
+  const Tensor& weight = **weight_out;
   TF_RETURN_IF_ERROR(PushSumBeforeCount(values.size(), before.size()));
   for (int i = 0; i < before.size(); ++i) {
     if (before[i].shape() != values[i].shape()) {

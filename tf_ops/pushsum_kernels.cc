@@ -25,10 +25,7 @@ class PushSumShareOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     OpInputList values, before;
     const Tensor* weight = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
-    OP_REQUIRES_OK(ctx, ctx->input_list("before", &before));
-    OP_REQUIRES_OK(ctx, ctx->input("weight", &weight));
-    OP_REQUIRES_OK(ctx, checks::PushSumShareInputs(values, before, *weight));
+    OP_REQUIRES_OK(ctx, checks::PushSumShareInputs(ctx, &values, &before, &weight));
     std::vector<int64_t> sizes;
     for (int i = 0; i < values.size(); ++i) sizes.push_back(values[i].NumElements());
     const PartIndex where(sizes);
