@@ -521,10 +521,10 @@ def push_sum_share(values, w, parts, before=None):
 
 class PushSum:
     """Stochastic Gradient Push (Assran et al., ICML 2019) in float32: each rank steps its numerator by its inner
-    optimizer's step u_i (SGD without momentum: -lr g_i), x_i = w_i z_i + u_i, then splits (x_i, w_i) into p + 1 equal shares (p: its out-peers at step 0),
-    keeps one and sends one to each out-peer of step t; a message sent at step t is mixed in at step t + tau
-    (overlap: tau = 1), summed in the senders' rank order; z_i = x_i / w_i. out_peers(rank, t) and in_peers(rank, t)
-    name the graph."""
+    optimizer's step u_i (SGD without momentum: -lr g_i), x_i = w_i z_i + u_i, then splits (x_i, w_i) into p + 1
+    equal shares (p: its out-peers at step 0), keeps one and sends one to each out-peer of step t; a message sent
+    at step t is mixed in at step t + tau (overlap: tau = 1), summed in the senders' rank order; z_i = x_i / w_i.
+    out_peers(rank, t) and in_peers(rank, t) name the graph."""
 
     def __init__(self, starts, out_peers, in_peers, tau):
         self.z = [np.asarray(s, np.float32).copy() for s in starts]

@@ -20,7 +20,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
 from hvd_compress.gossip import in_peers, out_peers
-from rule_inputs import adam, grads_of, rate, train
+from rule_inputs import adam, adam_rate, grads_of, train
 from _worker import init_world_sizes, launch_size, report
 
 flags.DEFINE_integer("steps", 6, "Steps of each case.")
@@ -71,7 +71,7 @@ def reference(graph, overlap, average_every, optimizer, n, rank):
         if optimizer == "sgd":
             return -np.float32(LR) * flat(r, t)
         stepped = pushsum.z[r].copy()
-        adams[r].step(stepped, [flat(r, t)], np.float32(rate(t) / 10))
+        adams[r].step(stepped, [flat(r, t)], np.float32(adam_rate(t)))
         return stepped - pushsum.z[r]
 
     for t in range(FLAGS.steps):

@@ -20,7 +20,7 @@ from absl import app, flags
 import horovod.tensorflow as hvd
 import hvd_compress as hc
 import np_reference as ref
-from rule_inputs import MU, SHAPE, WARMUP, adam, grads_of, quantize_draws, rate, sgd, train
+from rule_inputs import MU, SHAPE, WARMUP, adam, adam_rate, grads_of, quantize_draws, rate, sgd, train
 from _worker import IdenticalRanks, LoggedLines, define_list_of, report
 
 #: What a launch can run (--modes).
@@ -183,7 +183,7 @@ def reference_adam(hosts, local, compression, weight_decay):
                            two_way=compression.two_way, hosts=(hosts, local))
     x = np.zeros(d, np.float32)
     for t in range(FLAGS.steps):
-        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(hosts * local)], np.float32(rate(t) / 10))
+        model.step(x, [grads_of(r, t)[0].reshape(-1) for r in range(hosts * local)], np.float32(adam_rate(t)))
     return x
 
 

@@ -17,6 +17,11 @@ def rate(step):
     return RATES[int(step > BOUNDARIES[0])]
 
 
+def adam_rate(step):
+    """The rate of the rules' Adam (adam) at `step`: a tenth of the schedule's."""
+    return rate(step) / 10
+
+
 def grads_of(rank, step):
     """(w's gradient, b's gradient) of `rank` at `step`."""
     rng = np.random.default_rng(100 * step + rank)
@@ -37,7 +42,7 @@ def sgd(nesterov=True, schedule=True):
 
 
 def adam(weight_decay=0.0, amsgrad=False):
-    """The rules' Adam (weight_decay > 0: AdamW) on a tenth of the schedule RATES."""
+    """The rules' Adam (weight_decay > 0: AdamW) on a tenth of the schedule RATES (adam_rate)."""
     keras = tf.keras
     rate = keras.optimizers.schedules.PiecewiseConstantDecay(BOUNDARIES, [r / 10 for r in RATES])
     if weight_decay:

@@ -14,7 +14,7 @@ import horovod.tensorflow as hvd
 import hvd_compress as hc
 from hvd_compress import exchange
 import np_reference as ref
-from rule_inputs import DENSE, MU, SHAPE, WARMUP, adam, grads_of, quantize_draws, rate, sgd, train
+from rule_inputs import DENSE, MU, SHAPE, WARMUP, adam, adam_rate, grads_of, quantize_draws, rate, sgd, train
 from _worker import init_world_sizes, launch_size, op_types, report
 
 flags.DEFINE_integer("steps", 6, "Optimizer steps (the rate drops after step 2).")
@@ -167,7 +167,7 @@ def reference_adam(size, weight_decay, variable=0, warmup_steps=WARMUP, topk=Non
     x = np.zeros(d, np.float32)
     for t in range(FLAGS.steps):
         model.step(x, [grads_of(r, t)[variable].reshape(-1) for r in range(size)],
-                   np.float32(rate(t) / 10))
+                   np.float32(adam_rate(t)))
     return x
 
 
