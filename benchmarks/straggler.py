@@ -12,6 +12,7 @@ PushSumOptimizer(transport="mpi")) a rank waits only for its in-peers, and with 
 sent a step earlier, so a delay shorter than a step's compute is absorbed. Every method runs under the same
 MPI launch (horovodrun --mpi), so the rows compare. Prints a markdown table and writes results/straggler.json.
 """
+import collections
 import json
 import os
 import pathlib
@@ -29,7 +30,8 @@ import results  # noqa: E402
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher starts the ranks.")
 flags.DEFINE_integer("ranks", 4, "Ranks.")
 flags.DEFINE_integer("delay_ms", 100, "Sleep of a straggler before a step.")
-flags.DEFINE_integer("steps", 30, "Timed steps.")
+flags.DEFINE_integer("steps", 100, "Timed steps (random stragglers: the more, the closer each rank's share of the "
+                     "sleeps comes to 1 / ranks).")
 flags.DEFINE_list("methods", ["none", "sgp", "sgp_overlap", "sgp_mpi", "sgp_overlap_mpi"], "Methods (METHODS).")
 flags.DEFINE_string("method", "none", "worker: one of METHODS.")
 flags.DEFINE_enum("straggler", "none", ["none", "persistent", "random"], "worker: who sleeps before a step.")
@@ -42,13 +44,13 @@ METHODS = ("none", "sgp", "sgp_overlap", "sgp_mpi", "sgp_overlap_mpi")
 STRAGGLERS = ("none", "persistent", "random")
 
 
-def sleeper(step, ranks):
-    """The rank that sleeps before `step` (None: nobody)."""
+def sleeper(straggler, step, ranks):
+    """The rank that sleeps before `step` under `straggler` (None: nobody)."""
     import numpy as np
 
-    if FLAGS.straggler == "persistent":
+    if straggler == "persistent":
         return 1
-    if FLAGS.straggler == "random":
+    if straggler == "random":
         return int(np.random.default_rng([7, step]).integers(ranks))
     return None
 
@@ -68,7 +70,7 @@ def worker():
     times = []
     for t in range(FLAGS.steps):
         start = time.perf_counter()
-        if sleeper(t, hvd.size()) == hvd.rank():
+        if sleeper(FLAGS.straggler, t, hvd.size()) == hvd.rank():
             time.sleep(FLAGS.delay_ms / 1000)
         step().numpy()
         times.append(time.perf_counter() - start)
@@ -90,7 +92,8 @@ def main(_):
             medians = launch.run_worker(__file__, FLAGS.ranks, [f"--method={method}", f"--straggler={straggler}",
                                                                 f"--delay_ms={FLAGS.delay_ms}",
                                                                 f"--steps={FLAGS.steps}"], launcher="mpi")
-            rows.append(dict(method=method, straggler=straggler, delay_ms=FLAGS.delay_ms, median_step_ms=medians))
+            rows.append(dict(method=method, straggler=straggler, delay_ms=FLAGS.delay_ms, steps=FLAGS.steps,
+                             median_step_ms=medians))
             print(f"{method}, straggler {straggler}: median step per rank {[round(m, 1) for m in medians]}",
                   flush=True)
     results.save(FLAGS.out, rows)
@@ -102,11 +105,12 @@ def render(rows):
     """The rows as docs/benchmarks.md shows them: median step ms of the fastest and the slowest rank in each
     condition, what the straggler added to the fastest rank's, and the slowest rank's median against
     allreduce's in the same condition."""
-    delay, ranks = rows[0]["delay_ms"], len(rows[0]["median_step_ms"])
-    note = (f"{ranks} ranks (horovodrun --mpi), 1.6M-parameter MLP; persistent: rank 1 sleeps {delay} ms before every "
-            f"step; random: before every step a rank drawn at random sleeps {delay} ms. Median step ms, fastest rank "
-            "/ slowest rank; *added*: to the fastest rank's median; *vs allreduce*: the slowest rank's median over "
-            "allreduce's, same condition.")
+    delay, ranks, steps = rows[0]["delay_ms"], len(rows[0]["median_step_ms"]), rows[0]["steps"]
+    most = max(collections.Counter(sleeper("random", t, ranks) for t in range(steps)).values())
+    note = (f"{ranks} ranks (horovodrun --mpi), 1.6M-parameter MLP, {steps} timed steps; persistent: rank 1 sleeps "
+            f"{delay} ms before every step; random: before every step a rank drawn at random sleeps {delay} ms (the "
+            f"rank drawn most often: {most} times). Median step ms, fastest rank / slowest rank; *added*: to the "
+            "fastest rank's median; *vs allreduce*: the slowest rank's median over allreduce's, same condition.")
     by = {(r["method"], r["straggler"]): r["median_step_ms"] for r in rows}
     table_rows = []
     for method in dict.fromkeys(r["method"] for r in rows):

@@ -224,8 +224,8 @@ class PushSum:
         in alltoall's order (the same bits): with overlap, share + what the in-peers sent the step before (after
         `flush`, or from a checkpoint, the mass held in `in_flight`, which is then zeroed), plus on an averaging
         step what this step's in-peers sent, so that nothing is in flight; without, share + what this step's
-        in-peers sent. The sums are NumPy's, in the communication's own function: each is one pass over the
-        model, where TensorFlow's would add a copy of each operand out of that function."""
+        in-peers sent. The sums are NumPy's (p2p.added), in the communication's own function: one pass over the
+        model into a buffer that TensorFlow takes without a copy."""
         mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
 
         def run(share, step, held, average_now):
@@ -237,10 +237,10 @@ class PushSum:
             phase = step % period
             mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
                          in_peers(self.graph, self.rank, self.size, phase))
-            mixed = share if earlier is None else share + earlier
+            parts = [share] if earlier is None else [share, earlier]
             if not self.overlap or average_now:
-                mixed = mixed + mailbox.collect(step)
-            return mixed, np.bool_(took_held)
+                parts.append(mailbox.collect(step))
+            return p2p.added(parts), np.bool_(took_held)
 
         held = self.in_flight if self.overlap else tf.zeros([], tf.float32)
         mixed, took_held = tf.numpy_function(run, [share, step, held, average_now], [tf.float32, tf.bool],
