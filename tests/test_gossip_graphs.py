@@ -41,3 +41,23 @@ def test_bad_arguments():
         gossip.PushSum("exponential", False, -1, None)
     with pytest.raises(TypeError, match="overlap"):
         gossip.PushSum("exponential", "yes", None, None)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_point_to_point_sums_add_in_order_into_buffers_tensorflow_takes_without_a_copy(count):
+    """p2p.added: the messages added in order (np.sum's bits), into a 64-byte-aligned buffer (TensorFlow copies
+    a numpy_function's result that is not); one message is returned as it is."""
+    from hvd_compress import p2p
+
+    rng = np.random.default_rng(count)
+    arrays = [rng.normal(size=1001).astype(np.float32) for _ in range(count)]
+    total = p2p.added(arrays)
+    np.testing.assert_array_equal(total, np.sum(arrays, axis=0))
+    assert total.dtype == np.float32 and total.shape == (1001,)
+    if count == 1:
+        assert total is arrays[0]
+    else:
+        assert total.ctypes.data % p2p.TENSORFLOW_ALIGNMENT == 0
+        assert all(total.ctypes.data != a.ctypes.data for a in arrays)  # the messages are left as they were
+    buffer = p2p.aligned_empty(np.zeros((3, 5), np.float16))
+    assert buffer.shape == (3, 5) and buffer.dtype == np.float16 and buffer.ctypes.data % p2p.TENSORFLOW_ALIGNMENT == 0
