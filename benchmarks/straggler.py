@@ -105,12 +105,15 @@ def render(rows):
     """The rows as docs/benchmarks.md shows them: median step ms of the fastest and the slowest rank in each
     condition, what the straggler added to the fastest rank's, and the slowest rank's median against
     allreduce's in the same condition."""
-    delay, ranks, steps = rows[0]["delay_ms"], len(rows[0]["median_step_ms"]), rows[0]["steps"]
-    most = max(collections.Counter(sleeper("random", t, ranks) for t in range(steps)).values())
-    note = (f"{ranks} ranks (horovodrun --mpi), 1.6M-parameter MLP, {steps} timed steps; persistent: rank 1 sleeps "
-            f"{delay} ms before every step; random: before every step a rank drawn at random sleeps {delay} ms (the "
-            f"rank drawn most often: {most} times). Median step ms, fastest rank / slowest rank; *added*: to the "
-            "fastest rank's median; *vs allreduce*: the slowest rank's median over allreduce's, same condition.")
+    delay, ranks, steps = rows[0]["delay_ms"], len(rows[0]["median_step_ms"]), rows[0].get("steps")
+    draw = ""
+    if steps:  # (rows written before the count of steps was kept: without it)
+        most = max(collections.Counter(sleeper("random", t, ranks) for t in range(steps)).values())
+        draw = f" (the rank drawn most often slept before {most} of the {steps} timed steps; {steps / ranks:g} if even)"
+    note = (f"{ranks} ranks (horovodrun --mpi), 1.6M-parameter MLP; persistent: rank 1 sleeps {delay} ms before every "
+            f"step; random: before every step a rank drawn at random sleeps {delay} ms{draw}. Median step ms, fastest "
+            "rank / slowest rank; *added*: to the fastest rank's median; *vs allreduce*: the slowest rank's median "
+            "over allreduce's, same condition.")
     by = {(r["method"], r["straggler"]): r["median_step_ms"] for r in rows}
     table_rows = []
     for method in dict.fromkeys(r["method"] for r in rows):

@@ -100,10 +100,10 @@ class Mailbox:
 
     def post(self, step, payload, to, senders):
         """Sends `payload` (a NumPy array) to each rank in `to`; receives one array like it from each rank in
-        `senders`. Returns at once. `payload` is sent from where it lies and must not change afterwards (a
-        numpy_function's input array does not: it holds its tensor's buffer, or a copy of it, which TensorFlow
-        does not reuse while the array lives)."""
-        step = int(step)
+        `senders`. Returns at once. `payload` is sent from where it lies (where it is contiguous) and must not change
+        until its sends complete, which may be after `collect`: a numpy_function's input array is TensorFlow's copy
+        of the tensor, which nothing else uses."""
+        step, payload = int(step), np.ascontiguousarray(payload)
         if step in self.pending:
             raise ValueError(f"step {step}'s messages were posted already and not collected.")
         done = threading.Event()

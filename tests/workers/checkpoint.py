@@ -114,7 +114,9 @@ def run_case(keras, x, y, save_format, method, work, export_dir):
                 warmup_steps=None if is_gossip(method) else opt.compression_exchange.warmup_steps,
                 residual_norm=float(opt.pushsum.in_flight[-1] if is_gossip(method)
                                     else opt.compression_exchange.residual_norm()),
-                transport=opt.pushsum.transport if is_gossip(method) else None)
+                transport=opt.pushsum.transport if is_gossip(method) else None,
+                # SGP: this rank's PushSum weight, with what is in flight to it (the ranks' sum stays n)
+                mass=float(opt.pushsum.weight + opt.pushsum.in_flight[-1]) if is_gossip(method) else None)
 
 
 def main(_):
