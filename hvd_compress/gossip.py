@@ -225,16 +225,15 @@ class PushSum:
         `flush`, or from a checkpoint, the mass held in `in_flight`, which is then zeroed), plus on an averaging
         step what this step's in-peers sent, so that nothing is in flight; without, share + what this step's
         in-peers sent. The sums are NumPy's (p2p.added), in the communication's own function, each addition one
-        pass over the model, into a buffer that TensorFlow takes without a copy. `in_flight` goes in only while it
-        holds mass (its weight, the last element, is then above 0): numpy_function copies every input."""
+        pass over the model, into a buffer that TensorFlow takes without a copy."""
         mailbox, period = self.mailbox, schedule_period(self.graph, self.size)
 
         def run(share, step, held, average_now):
             step = int(step)
             earlier = mailbox.collect_pending()
             took_held = earlier is None and self.overlap
-            if took_held:  # nothing held: the zeros that the alltoall transport adds (the same bits: -0.0 + 0.0)
-                earlier = held if held.size else np.zeros_like(share)
+            if took_held:
+                earlier = held
             phase = step % period
             mailbox.post(step, share, out_peers(self.graph, self.rank, self.size, phase),
                          in_peers(self.graph, self.rank, self.size, phase))
@@ -243,9 +242,7 @@ class PushSum:
                 parts.append(mailbox.collect(step))
             return p2p.added(parts), np.bool_(took_held)
 
-        held = tf.zeros([0], tf.float32)
-        if self.overlap:
-            held = tf.cond(self.in_flight[-1] > 0, lambda: tf.identity(self.in_flight), lambda: held)
+        held = self.in_flight if self.overlap else tf.zeros([], tf.float32)
         mixed, took_held = tf.numpy_function(run, [share, step, held, average_now], [tf.float32, tf.bool],
                                              stateful=True, name=f"{self.name}.p2p")
         mixed.set_shape(share.shape)
