@@ -59,10 +59,10 @@ def test_sgp_trains_next_to_allreduce_sgd_at_3_ranks():
 def test_pushsum_matches_the_numpy_reference_over_alltoall_and_point_to_point(ranks, full_matrix):
     """PushSum with messages mixed in at once (tau = 0) or a step later (overlap, tau = 1), with an exact average
     every 4th step, wrapping SGD and (with overlap) AdamW, against NumPy on every rank
-    (tests/workers/gossip_rule.py): over alltoall at each world size,
-    over MPI's point-to-point transport (an MPI launch) at the launch's, with the alltoall run's bits; the weights
-    and the mass in flight sum to n. One 5-rank launch: world sizes 2, 3 and 5, at 2 and 3 the cases in which every
-    graph, overlap and average setting meets each; --full: every case at 2 to 5, and MPI at 2 in a launch of 2."""
+    (tests/workers/gossip_rule.py): over alltoall at each world size, over MPI's point-to-point transport (an MPI
+    launch) at the launch's, with the alltoall run's bits; the weights and the mass in flight sum to n. One 5-rank
+    launch: world sizes 2, 3 and 5, at 2 and 3 the cases in which every graph, overlap and average setting meets
+    each; --full: every case at 2 to 5, and MPI at 2 in a launch of 2."""
     world_sizes = [2] if ranks == 2 else [2, 3, 4, 5] if full_matrix else [2, 3, 5]
     results = run_ranks("gossip_rule.py", f"--world_sizes={','.join(map(str, world_sizes))}",
                         *(["--every_case_at_every_size"] if full_matrix else []), np=ranks, launcher="mpi",

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hvd_compress import gossip
+from hvd_compress import gossip, p2p
 
 
 @pytest.mark.parametrize("graph", gossip.GRAPHS)
@@ -47,8 +47,6 @@ def test_bad_arguments():
 def test_point_to_point_sums_add_in_order_into_buffers_tensorflow_takes_without_a_copy(count):
     """p2p.added: the messages added in order (np.sum's bits), into a 64-byte-aligned buffer (TensorFlow copies
     a numpy_function's result that is not); one message is returned as it is."""
-    from hvd_compress import p2p
-
     rng = np.random.default_rng(count)
     arrays = [rng.normal(size=1001).astype(np.float32) for _ in range(count)]
     total = p2p.added(arrays)
