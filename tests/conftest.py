@@ -1,5 +1,7 @@
 """Test settings shared by every test module: the environment, set before TensorFlow loads; the lock of the
-tests that build networks; the full matrix (--full), which the default run leaves out."""
+tests that build networks; the full matrix (--full), which the default run leaves out; and the default
+suite's time budget (pytest.ini's time_budget), which fails a whole default run whose tests took longer in
+sum."""
 import fcntl
 import os
 import tempfile
@@ -17,6 +19,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="also run the full matrix: every Keras, world size and layout of the multi-rank tests")
+    parser.addini("time_budget", "seconds the default suite's tests may take in sum (set-up, call and "
+                  "teardown, over every worker); a whole default run over it fails", default="0")
 
 
 def pytest_configure(config):
@@ -51,3 +55,44 @@ def network_to_itself():
         yield
     finally:
         os.close(lock)
+
+
+#: Seconds each test took (set-up, call and teardown), as the workers report them.
+_durations = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def _whole_default_run(config):
+    """The default suite as `make test` runs it: every test path, no selection, not the full matrix."""
+    option = config.option
+    return (not config.getoption("--full") and not option.keyword and not option.markexpr
+            and not getattr(option, "lf", False) and not getattr(option, "failedfirst", False)
+            and set(config.args) <= {str(p) for p in config.getini("testpaths")} | {"tests", str(config.rootpath / "tests")})
+
+
+_budget_line = []
+
+
+def pytest_sessionfinish(session):
+    """The suite's summed test time against its budget; over it, a whole default run fails (the slowest
+    tests, --durations, say where the time went). Runs before the terminal's summary, which prints the line."""
+    budget = float(session.config.getini("time_budget"))
+    if not budget or not _durations or hasattr(session.config, "workerinput"):  # (the controller sums)
+        return
+    spent = sum(_durations.values())
+    line = f"summed test time {spent:.1f} s against the default suite's budget of {budget:.0f} s (pytest.ini)"
+    if not _whole_default_run(session.config):
+        _budget_line.append((line + ": not checked, not a whole default run", {}))
+    elif spent > budget:
+        _budget_line.append((line + ": OVER BUDGET, so the run fails; make the slowest tests cheaper", {"red": True}))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        _budget_line.append((line, {"green": True}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line, markup in _budget_line:
+        terminalreporter.write_line(line, **markup)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cores.h"
+#include "status.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -40,7 +41,7 @@ inline void ParallelFor(OpKernelContext* ctx, int64_t total,
 // describing B non-empty blocks that cover n elements.
 inline absl::Status ValidateBounds(const Tensor& bounds, int64_t n) {
   if (bounds.dims() != 1 || bounds.NumElements() < 1) {
-    return tensorflow::errors::InvalidArgument(
+    return InvalidArgument(
         "bounds must be a vector [0, ..., n] of block boundaries, got shape ",
         bounds.shape().DebugString(),
         "; build it with hvd_compress.ops.block_bounds(n, block_size)");
@@ -48,13 +49,13 @@ inline absl::Status ValidateBounds(const Tensor& bounds, int64_t n) {
   const auto b = bounds.flat<int64_t>();
   const int64_t last = b(b.size() - 1);
   if (b(0) != 0 || last != n) {
-    return tensorflow::errors::InvalidArgument(
+    return InvalidArgument(
         "bounds must start at 0 and end at the number of elements n=", n,
         ", got bounds[0]=", b(0), " and bounds[-1]=", last);
   }
   for (int64_t i = 1; i < b.size(); ++i) {
     if (b(i) <= b(i - 1)) {
-      return tensorflow::errors::InvalidArgument(
+      return InvalidArgument(
           "bounds must be strictly increasing (no empty blocks), but bounds[",
           i, "]=", b(i), " <= bounds[", i - 1, "]=", b(i - 1));
     }
@@ -108,7 +109,7 @@ template <typename Index>
 inline absl::Status CheckIndices(const Index* idx, int64_t k, int64_t n) {
   for (int64_t i = 0; i < k; ++i) {
     if (idx[i] < 0 || idx[i] >= n) {
-      return tensorflow::errors::InvalidArgument("indices[", i, "] = ", idx[i], " is out of range [0, n=", n, ")");
+      return InvalidArgument("indices[", i, "] = ", idx[i], " is out of range [0, n=", n, ")");
     }
   }
   return absl::OkStatus();

@@ -12,7 +12,6 @@ namespace hvd_compress {
 using tensorflow::DEVICE_CPU;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
-using tensorflow::errors::InvalidArgument;
 
 class MomentumErrorFeedOp : public OpKernel {
  public:

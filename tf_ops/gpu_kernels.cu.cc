@@ -40,7 +40,6 @@ using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpOutputList;
 using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
 using BFloat16 = Eigen::bfloat16;
 using Half = Eigen::half;
 
@@ -55,7 +54,7 @@ hc_stream StreamOf(OpKernelContext* ctx) {
 absl::Status CudaStatus(OpKernelContext* ctx, int error, const char* what) {
   if (error == 0) return absl::OkStatus();
   const auto code = static_cast<cudaError_t>(error);
-  return tensorflow::errors::Internal(ctx->op_kernel().type_string(), " (node ", ctx->op_kernel().name(),
+  return Internal(ctx->op_kernel().type_string(), " (node ", ctx->op_kernel().name(),
                                       ") on the GPU: ", what, " failed with ", cudaGetErrorName(code), ": ",
                                       cudaGetErrorString(code));
 }

@@ -23,7 +23,6 @@ using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpOutputList;
 using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
 using Half = Eigen::half;
 
 namespace {

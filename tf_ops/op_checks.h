@@ -13,7 +13,6 @@
 namespace hvd_compress {
 namespace checks {
 
-using tensorflow::errors::InvalidArgument;
 
 // The 1-bit sign ops' payloads: m >= 1 stacked payloads (payload_rank 2; one with payload_rank 1)
 // against bounds, which give n and the number of blocks; sets *m.

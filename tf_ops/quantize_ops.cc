@@ -38,6 +38,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "status.h"
 
 namespace hvd_compress {
 
@@ -50,7 +51,7 @@ namespace {
 absl::Status QuantizeBits(InferenceContext* c, int64_t* bits) {
   TF_RETURN_IF_ERROR(c->GetAttr("bits", bits));
   if (*bits != 2 && *bits != 4 && *bits != 8) {
-    return tensorflow::errors::InvalidArgument("bits must be 2, 4 or 8, got ", *bits);
+    return InvalidArgument("bits must be 2, 4 or 8, got ", *bits);
   }
   return absl::OkStatus();
 }

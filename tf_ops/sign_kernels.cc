@@ -23,7 +23,6 @@ using tensorflow::DEVICE_CPU;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
 
 namespace {
 

@@ -30,7 +30,6 @@ using tensorflow::DEVICE_CPU;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // as in SketchHash
 

@@ -36,7 +36,6 @@ using tensorflow::DEVICE_CPU;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
-using tensorflow::errors::InvalidArgument;
 
 namespace {
 
