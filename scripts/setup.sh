@@ -4,8 +4,9 @@
 #   stack, Horovod 0.28.1 built from its source with TensorFlow + Gloo + MPI
 #   (patched: patches/horovod-0.28.1.patch), and hvd_compress with its compiled
 #   ops. The terminal shows one line per step with its time; what the tools print
-#   (apt, pip, the compilers) goes to build/setup.log. A failing step is named, with
-#   the log's last 40 lines.
+#   (apt, pip, the compilers) goes to build/setup.log, the ops' compile (which runs
+#   beside Horovod's step) to build/ops.log. A failing step is named, with its log's
+#   last 40 lines.
 #
 #   The Horovod wheel this builds is kept in ~/.cache/hvd_compress (HVD_COMPRESS_CACHE),
 #   under a key of its version, the patches, TensorFlow's version, Python's and the
@@ -61,13 +62,16 @@ end_step() {
 }
 # Runs a command with everything it prints in the log.
 logged() { "$@" >>"${LOG}" 2>&1; }
+FAILED_LOG=${LOG}
+OPS_PID=""
 on_exit() {
   local rc=$?
+  [ -z "${OPS_PID}" ] || kill "${OPS_PID}" $(pgrep -P "${OPS_PID}") 2>/dev/null || true
   if [ "${rc}" = 0 ]; then return; fi
   echo
-  echo "!! hvd_compress set-up failed (exit ${rc}) during: ${STEP:-start}. The last 40 lines of ${LOG}:" >&2
-  tail -n 40 "${LOG}" | sed 's/^/   | /' >&2
-  echo "!! The whole log: ${LOG}" >&2
+  echo "!! hvd_compress set-up failed (exit ${rc}) during: ${STEP:-start}. The last 40 lines of ${FAILED_LOG}:" >&2
+  tail -n 40 "${FAILED_LOG}" | sed 's/^/   | /' >&2
+  echo "!! The whole log: ${FAILED_LOG}" >&2
 }
 trap on_exit EXIT
 
@@ -116,6 +120,19 @@ if ((GPU)); then
                      MAKEFLAGS="-j$(nproc)")
   HOROVOD_FEATURES="Gloo, MPI and NCCL (CUDA)"
 fi
+
+# The ops compile beside Horovod's step (they need TensorFlow only): Horovod's build leaves a core idle while
+# it configures, links and packs, and the ops' precompiled header is one job. Their output: build/ops.log.
+# The ops are rebuilt in place when a source, a flag or the TensorFlow version changed (setup.py's build_ext
+# decides); HVD_COMPRESS_GPU=1 (in the environment) makes setup.py add the ops' CUDA kernels, with the toolkit
+# at CUDA_HOME: the GPU build's (CUDA 13.0's nvcc and static runtime, from pip).
+OPS_LOG=$(pwd)/build/ops.log
+OPS_ENV=(HVD_COMPRESS_GPU="${GPU}")
+((GPU)) && OPS_ENV+=(CUDA_HOME="${GPU_CUDA_HOME}")
+(started=${SECONDS}
+ env "${OPS_ENV[@]}" TF_CPP_MIN_LOG_LEVEL=3 "$PY" setup.py build_ext --inplace > "${OPS_LOG}" 2>&1
+ echo "$((SECONDS - started))" > "${OPS_LOG}.seconds") &
+OPS_PID=$!
 
 step "Horovod ${HOROVOD_VERSION} with TensorFlow, ${HOROVOD_FEATURES}, patched (${HOROVOD_PATCHES[*]})"
 # Built against this environment's TensorFlow: rebuilt when its ops no longer load (another
@@ -185,19 +202,15 @@ else
 fi
 
 step "hvd_compress and its TensorFlow ops (tf_ops/ -> hvd_compress/_tf_ops-tf<version>.so)"
-# The editable install is made once; the ops are rebuilt in place when a
-# source or the TensorFlow version changed (setup.py's build_ext decides).
-# HVD_COMPRESS_GPU=1 (in the environment) makes setup.py add the ops' CUDA kernels, with the
-# toolkit at CUDA_HOME: the GPU build's (CUDA 13.0's nvcc and static runtime, from pip).
-OPS_ENV=(HVD_COMPRESS_GPU="${GPU}")
-((GPU)) && OPS_ENV+=(CUDA_HOME="${GPU_CUDA_HOME}")
-# Both build into build/ops, so the second finds the first's objects; the compilers' output goes to the log.
-OPS_LOG_START=$(wc -l < "${LOG}")
+FAILED_LOG=${OPS_LOG}
+wait "${OPS_PID}"
+OPS_PID=""
+# The editable install is made once (its own build_ext finds the library built and does nothing).
 if ! "$PY" -m pip show -q hvd_compress >/dev/null 2>&1; then
   logged env "${OPS_ENV[@]}" "${PIP[@]}" --no-build-isolation --no-deps -e .
 fi
-logged env "${OPS_ENV[@]}" TF_CPP_MIN_LOG_LEVEL=3 "$PY" setup.py build_ext --inplace
-NOTE="$(tail -n "+$((OPS_LOG_START + 1))" "${LOG}" | grep -c "warning:" || true) compiler warnings"
+FAILED_LOG=${LOG}
+NOTE="compiled in $(cat "${OPS_LOG}.seconds") s beside Horovod's step, $(grep -c "warning:" "${OPS_LOG}" || true) compiler warnings"
 
 # Earlier set-ups forced tf_keras on every Python of the environment; the user's Keras decides now.
 rm -f "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hvd_compress_legacy_keras.pth"
