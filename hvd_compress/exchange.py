@@ -654,10 +654,8 @@ def agree_on_finiteness(grads, process_set, name):
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
     everywhere = hvd.allreduce(tf.cast(finite, tf.float32), op=hvd.Min, process_set=process_set, name=name) > 0.5
-
-    def agreed(g):
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(agreed(g.values), g.indices, g.dense_shape)
-        return tf.cond(everywhere, lambda: g, lambda: g * tf.constant(np.nan, g.dtype))
-
-    return [None if g is None else agreed(g) for g in grads]
+    # One cond for all the gradients (a cond a gradient made a step's tracing slower, not its run).
+    values = tf.cond(everywhere, lambda: values, lambda: [v * tf.constant(np.nan, v.dtype) for v in values])
+    agreed = iter(tf.IndexedSlices(v, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else v
+                  for g, v in zip(present, values))
+    return [None if g is None else next(agreed) for g in grads]
