@@ -9,8 +9,9 @@ from hvd_compress.gradient_exchange import GradientExchange
 from hvd_compress.optimizer import DistributedGradientTape, DistributedOptimizer, load_model
 from hvd_compress import accordion, callbacks, compressor, elastic, exchange, gossip, methods, state
 from hvd_compress.gossip import PushSumOptimizer
+from hvd_compress.callbacks import broadcast_variables
 
 __version__ = "0.1.0"
-__all__ = ["accordion", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
+__all__ = ["accordion", "broadcast_variables", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
            "GradientExchange", "PushSumOptimizer", "callbacks", "compressor", "elastic", "exchange", "gossip",
            "load_model", "methods", "require_legacy_keras", "state"]

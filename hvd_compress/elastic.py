@@ -33,11 +33,10 @@ stops with an error that names this class (never silent, never a hang).
         model.fit(..., initial_epoch=state.epoch, callbacks=[
             hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)])
 """
-import horovod.tensorflow as hvd
 import horovod.tensorflow.keras.elastic as hvd_elastic
 import tensorflow as tf
 
-from hvd_compress.callbacks import tf_variable
+from hvd_compress.callbacks import broadcast_variables, tf_variable
 
 
 class KerasState(hvd_elastic.KerasState):
@@ -63,7 +62,7 @@ class KerasState(hvd_elastic.KerasState):
             v.assign(saved)
 
     def _broadcast_model(self):
-        hvd.broadcast_variables(self._variables(), root_rank=0)
+        broadcast_variables(self._variables(), root_rank=0)
 
     def _replan(self):
         replan = getattr(self.optimizer, "hc_replan", None)

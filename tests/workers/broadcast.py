@@ -7,7 +7,8 @@ which broadcasts them before the first step) and the same run without it;
 after every batch all ranks must hold identical weights (SGP: its own check below), and the
 per-rank state after step 2 must equal the run without the callback. Then
 hvd.broadcast_variables(model.variables, 0) and hvd.broadcast_variables(opt.variables(), 0)
-by hand (Keras 3: their tf.Variables) must leave the per-rank state as it was, and training goes on.
+by hand (hc.broadcast_variables in Keras 3 and with --hc_callback) must leave the per-rank state as it
+was, and training goes on.
 FetchSGD has no per-rank state: its sketch-space state, which the broadcasts do carry, is watched
 instead, and must be the same on every rank.
 """
@@ -95,8 +96,10 @@ def main(_):
         model, opt, x, y, watch = train(method, broadcast_callback=True)
         state = kept_state(opt)
         before = digest(v.numpy() for v in state)
-        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in model.variables], root_rank=0)
-        hvd.broadcast_variables([hc.callbacks.tf_variable(v) for v in opt.variables], root_rank=0)
+        by_hand = (hvd.broadcast_variables if tf.keras.__name__.startswith("tf_keras") and not FLAGS.hc_callback
+                   else hc.broadcast_variables)  # Horovod's takes tf_keras's variables, not Keras 3's
+        by_hand(model.variables, root_rank=0)
+        by_hand(opt.variables() if callable(opt.variables) else opt.variables, root_rank=0)
         after = digest(v.numpy() for v in state)
         everyone = hvd.allgather_object(before, name="states")
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Watch(method)])
