@@ -52,6 +52,23 @@ def _from_bytes(piece, dtype, shape):
     return tf.cast(value, tf.bool) if dtype == tf.bool else value
 
 
+def plan_fit(model, params):
+    """Before model.fit's first step: the optimizer step at which the fit ends (its epochs x steps per epoch,
+    counted from epoch 0 as Keras counts them, or at least one epoch on from the optimizer's step), for the
+    exchange's warm-up (GradientExchange.plan_fit); None where the fit's length is unknown."""
+    optimizer = hc_optimizer(model)
+    exchange = getattr(optimizer, "compression_exchange", None)
+    steps, epochs = (params or {}).get("steps"), (params or {}).get("epochs")
+    if exchange is None:
+        return
+    if not steps or not epochs:
+        exchange.plan_fit(None)
+        return
+    passes = getattr(optimizer, "_hc_backward_passes", 1)  # backward passes (batches) per optimizer step
+    done = int(optimizer.iterations.numpy())
+    exchange.plan_fit(max(epochs * steps // passes, done + steps // passes))
+
+
 def check_distributed_training(model, params, process_set=hvd.global_process_set):
     """Before the first step of model.fit on more than one rank (a collective; BroadcastGlobalVariablesCallback
     and MetricAverageCallback run it at on_train_begin, unless given allow_undistributed=True):
@@ -92,8 +109,14 @@ class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.first_batch = True
+        plan_fit(self.model, self.params)
         if not self.allow_undistributed:
             check_distributed_training(self.model, self.params, self.process_set)
+
+    def on_train_end(self, logs=None):
+        exchange = getattr(hc_optimizer(self.model), "compression_exchange", None)
+        if exchange is not None:
+            exchange.note_fit_end(int(hc_optimizer(self.model).iterations.numpy()))
 
     def on_train_batch_end(self, batch, logs=None):
         """After the first batch: the step Keras ran must have been the wrapper's. An optimizer wrapped

@@ -34,8 +34,12 @@ momentum only. The hosts' process sets are made at the first step (hosts.HostSet
 
 Warm-up. For the first `warmup_steps` steps every bucket travels at full precision (a float32 sum
 in rank order, exchange.OrderedMean, chosen by exchange.Switching), and the worker's residuals stay
-zero; compression starts after.
+zero; compression starts after. Under 1-bit Adam its default follows the run (adam.default_warmup_steps: the
+schedule's warm-up, or 10% of what model.fit plans, which plan_fit gives before the first step), and a warm-up that
+covers a whole model.fit is reported before its first step (or, where the fit's length is unknown, after it).
 """
+import logging
+
 import numpy as np
 import tensorflow as tf
 
@@ -44,8 +48,10 @@ from hvd_compress import exchange, hosts, ops, state
 from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
                                      NoneCompressor, StatefulCompressor)
 from hvd_compress.accordion import AdaptiveCompression
-from hvd_compress.adam import AdamMomentumInFront, FrozenVarianceAdam, default_warmup_steps
+from hvd_compress.adam import WARMUP_FRACTION, AdamMomentumInFront, FrozenVarianceAdam, default_warmup_steps
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
+
+log = logging.getLogger("hvd_compress")
 
 DEFAULT_MIN_COMPRESS_SIZE = 1024
 DEFAULT_FUSION_THRESHOLD_BYTES = 16 << 20  # several buckets: one is decoded while the next are on the wire
@@ -110,6 +116,8 @@ class GradientExchange(tf.Module):
         self.hosts = None  # hosts.HostSets of the current plan, when hierarchical
         #: full-precision steps before compression starts (None: 1-bit Adam's default, else 0)
         self.requested_warmup_steps = warmup_steps
+        #: the optimizer step at which the coming model.fit ends (plan_fit), and the fit last warned about
+        self.fit_end, self._warned_fit_end = None, None
         self.compression, self.process_set = compression, process_set
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
@@ -171,9 +179,12 @@ class GradientExchange(tf.Module):
         self.feedback = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
         self.keeps_residual = self.feedback and not self.hierarchical
         self.keeps_momentum = sgd and rule == MOMENTUM_IN_FRONT
-        self.warmup_steps = self.requested_warmup_steps
-        if self.warmup_steps is None:
-            self.warmup_steps = default_warmup_steps(adam) if one_bit_adam else 0
+        # 1-bit Adam's default warm-up follows the coming model.fit (plan_fit), until the first step is traced.
+        object.__setattr__(self, "_default_warmup", (lambda planned: default_warmup_steps(adam, planned))
+                           if one_bit_adam and self.requested_warmup_steps is None else None)
+        self.warmup_steps, self.warmup_source = self.requested_warmup_steps or 0, "as warmup_steps= gave it"
+        if self._default_warmup is not None:
+            self._choose_warmup()
         self._refuse_unsupported(rule, sgd, one_bit_adam, frozen_variance)
         # Kept as plain facts, not references: the module must not track the model's variables.
         self.variable_ids = [id(v) for v in variables]
@@ -204,6 +215,47 @@ class GradientExchange(tf.Module):
         self.world = None
         self._plan_world()
         self.built = True
+        self._warn_if_the_fit_is_all_warmup()
+
+    def plan_fit(self, end_step):
+        """Before the first step of a model.fit that ends at optimizer step `end_step` (None: unknown; hvd_compress's
+        callbacks call it): until a step is traced, 1-bit Adam's default warm-up follows the fit's length
+        (adam.default_warmup_steps); a warm-up that covers the whole fit is reported before its first step."""
+        self.fit_end = end_step
+        if self.built and self._default_warmup is not None and not self.traced:
+            self._choose_warmup()
+            self.adam.warmup_steps = self.warmup_steps
+            self.agreement.replan(self._settings())
+        if self.built:
+            self._warn_if_the_fit_is_all_warmup()
+
+    def _choose_warmup(self):
+        """1-bit Adam's default warm-up for the coming fit (adam.default_warmup_steps), said on rank 0."""
+        self.warmup_steps, self.warmup_source = self._default_warmup(self.fit_end)
+        if hvd.rank() == 0:
+            log.info("hvd_compress: %s warms up for %d steps at full precision (%s; warmup_steps= sets it).",
+                     self.collective_name, self.warmup_steps, self.warmup_source)
+
+    def note_fit_end(self, step):
+        """After a model.fit, at optimizer step `step`: where plan_fit could not tell before (a fit of unknown
+        length), whether it ended inside the warm-up, compressing nothing."""
+        if self.built and self.fit_end is None and 0 < step <= self.warmup_steps:
+            self._warn_warmup(step, f"this model.fit ended at step {step}")
+
+    def _warn_if_the_fit_is_all_warmup(self):
+        if self.fit_end is not None and self.fit_end <= self.warmup_steps:
+            self._warn_warmup(self.fit_end, f"it covers this whole model.fit, which ends at step {self.fit_end}")
+
+    def _warn_warmup(self, end, when):
+        """Once per fit's end step (each of hvd_compress's callbacks may ask)."""
+        if self._warned_fit_end == end:
+            return
+        self._warned_fit_end = end
+        if hvd.rank() == 0:
+            log.warning("hvd_compress: %s's warm-up is %d steps at full precision (%s), and %s: every step "
+                        "of it sends uncompressed gradients, and nothing is compressed. Give the optimizer "
+                        "warmup_steps= fewer steps (None: %.0f%% of the steps model.fit plans, under 1-bit Adam).",
+                        self.collective_name, self.warmup_steps, self.warmup_source, when, 100 * WARMUP_FRACTION)
 
     def _refuse_unsupported(self, rule, sgd, one_bit_adam, frozen_variance):
         """At build, before any collective: combinations whose result would be wrong."""
@@ -216,7 +268,7 @@ class GradientExchange(tf.Module):
         if one_bit_adam and not self.warmup_steps:
             raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
                              "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
-                             "warmup_steps >= 1, or None for 1 / (1 - beta_2) steps.")
+                             "warmup_steps >= 1, or None for the default (the learning rate's warm-up, or 10% of the fit).")
         if self.recall_totals is not None and self.warmup_steps:
             raise ValueError("The recall metric is measured for sketched SGD without a warm-up: measure it in a run "
                              "with warmup_steps=0.")
@@ -309,14 +361,17 @@ class GradientExchange(tf.Module):
 
     def _plan_agreement(self, previous_world):
         """Every rank checks, at the first step of this plan, that all ranks have these settings."""
-        settings = (f"{self.compression!r} op={self.op} "
-                    f"min_compress_size={self.min_compress_size} "
-                    f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
-                    f"direct_update={self.direct_update} warmup_steps={self.warmup_steps} "
-                    f"hierarchical={self.hosts.layout if self.hierarchical else False} "
-                    f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
-        self.agreement.plan(settings, self.rank_state, self.process_set, self.collective_name,
+        self.agreement.plan(self._settings(), self.rank_state, self.process_set, self.collective_name,
                             None if previous_world is None else previous_world[1])
+
+    def _settings(self):
+        """What every rank must have alike (checked at the first step of a plan)."""
+        return (f"{self.compression!r} op={self.op} "
+                f"min_compress_size={self.min_compress_size} "
+                f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
+                f"direct_update={self.direct_update} warmup_steps={self.warmup_steps} "
+                f"hierarchical={self.hosts.layout if self.hierarchical else False} "
+                f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
 
     @property
     def low_rank_q(self):
@@ -592,7 +647,7 @@ def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes,
         raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
     if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
                                      or warmup_steps < 0):
-        raise ValueError(f"warmup_steps must be None (1-bit Adam: 1 / (1 - beta_2) steps; else 0) or an integer "
+        raise ValueError(f"warmup_steps must be None (the default: 0, and under 1-bit Adam a warm-up that follows the run) or an integer "
                          f">= 0, got {warmup_steps!r}.")
     if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
         raise ValueError(f"fusion_threshold_bytes must be a positive integer, got "

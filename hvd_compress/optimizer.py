@@ -79,6 +79,9 @@ class _DistributedOptimizerMixin(WrapperCore):
     def _hc_settings(self):
         """DistributedOptimizer's keyword arguments as JSON data (for model files)."""
         settings = dict(self._hc_saved_settings)
+        if settings["warmup_steps"] is None and self._hc_exchange.traced:
+            # 1-bit Adam's warm-up as chosen at its first step (it follows that model.fit's length): kept
+            settings["warmup_steps"] = self._hc_exchange.warmup_steps or None
         settings["compression"] = compression_config(settings["compression"])
         settings["op"] = next((name for name in REDUCE_OPS if getattr(hvd, name) == settings["op"]), settings["op"])
         settings["process_set_ranks"] = saved_process_set(settings.pop("process_set"))
@@ -278,8 +281,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
       fusion_threshold_bytes: the largest compressed bucket.
       warmup_steps: the first steps travel at full precision (a float32 allreduce), then
         compression starts. Under Adam or AdamW, onebit and sketch (momentum in front) train
-        1-bit Adam (its warm-up fills Adam's variance, which is then frozen; None: 1 / (1 - beta_2)
-        steps, 1000 by default); elsewhere None means 0.
+        1-bit Adam (its warm-up fills Adam's variance, which is then frozen; None: the learning-rate
+        schedule's warm-up if it has one, else 10% of the steps the first model.fit plans (told by
+        hvd_compress's callbacks), else 1 / (1 - beta_2) steps, 1000 by default; the choice is kept in
+        model files); elsewhere None means 0. A warm-up that covers a whole model.fit is reported.
       hierarchical: on hosts of several ranks, average inside each host at full precision and
         compress only across hosts (exchange.Hierarchical): each host sends one compressed payload
         where the flat exchange sends one per rank. Needs the same number of ranks on every host and

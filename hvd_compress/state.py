@@ -207,6 +207,11 @@ class RanksAgreement:
     def plan(self, settings, rank_state, process_set, name, previous_size=None):
         self.due = (settings, rank_state, process_set, name, previous_size)
 
+    def replan(self, settings):
+        """New settings for the check still due (none due: nothing)."""
+        if self.due is not None:
+            self.due = (settings, *self.due[1:])
+
     def check(self):
         """At a step (every rank traces it): the collective, eagerly, once per plan."""
         if self.due is not None:
