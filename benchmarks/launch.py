@@ -80,9 +80,11 @@ def launched(launcher):
 
 def table_suffix(row):
     """The suffix of a published table's name: "_mpi" for a run launched with MPI (its tables stand beside the
-    Gloo launch's), then "_bfc" for a run with TensorFlow's BFC allocator on the CPU (run_in_namespaces)."""
+    Gloo launch's), then "_bfc" for a run with TensorFlow's BFC allocator on the CPU (run_in_namespaces), then
+    "_adamw" for a run whose methods wrap AdamW (wire.py's --optimizer; SGD otherwise)."""
     return (("_mpi" if row.get("launcher", "gloo") == "mpi" else "")
-            + ("_bfc" if row.get("tf_cpu_allocator", "default") == "bfc" else ""))
+            + ("_bfc" if row.get("tf_cpu_allocator", "default") == "bfc" else "")
+            + ("_adamw" if row.get("optimizer", "sgd") == "adamw" else ""))
 
 
 def mlp(keras, layers):

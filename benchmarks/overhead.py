@@ -9,13 +9,14 @@ computation each method adds, and Horovod's own cost of running a collective
 (copies into and out of its buffers, handing the op to its background thread
 and back). Per model (benchmarks/wire.py's mlp25m and digits_cnn) and method,
 a fresh process (this script, --role=worker) builds the model and the
-optimizer (wire.make_optimizer's: hc.methods' names and wire.py's variants;
-sgd is the bare Keras SGD, no Horovod wrapper, the baseline; all on SGD(0.01,
-momentum 0.9, Nesterov)), compiles
+optimizer (wire.benchmarked_optimizer's: hc.methods' names and wire.py's variants
+over --optimizer's optimizer, SGD(0.01, momentum 0.9, Nesterov) or AdamW(1e-3,
+weight decay 0.01); no_exchange is that optimizer bare, no Horovod wrapper, the
+floor), compiles
 launch.training_step on one random batch of --batch_size, runs it --warmup
 times, then:
 - step ms: the median wall time of --steps steps (step().numpy()), not profiled;
-  beside it, the ms it adds to plain SGD's step, and the ratio;
+  beside it, the ms it adds to no_exchange's step, and the ratio;
 - phases: --profile_steps more steps under TensorFlow's profiler
   (tf.profiler.experimental, host tracer), whose XSpace
   (tensorflow.tsl.profiler.protobuf.xplane_pb2) has one event per op the
@@ -65,8 +66,8 @@ machine).
 
 Flags shared with benchmarks/wire.py (its module defines them; this one reuses
 them, with its own defaults): --methods, --models, --steps, --warmup,
---batch_size, --timeout, --out, and the worker's --role, --method, --model,
---result.
+--batch_size, --optimizer, --timeout, --out, and the worker's --role, --method,
+--model, --result.
 """
 import collections
 import json
@@ -89,7 +90,7 @@ import results  # noqa: E402
 import wire  # noqa: E402
 
 PHASES = ["compute", "encode", "collective", "decode", "apply"]
-BASELINE = "sgd"  # the bare Keras optimizer
+BASELINE = wire.NO_EXCHANGE  # the bare Keras optimizer: the floor
 DEFAULT_METHODS = [BASELINE, *wire.BASELINES, "none", "fp16", "onebit", "quantize8", "quantize4", "topk", "randomk",
                    "sketch", "powersgd"]
 COLLECTIVE = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Alltoall|Broadcast|Reducescatter)")
@@ -103,7 +104,7 @@ flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
 flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (horovod_fp32, "
                   "horovod_fp16) run its allreduce and casts on one rank, where it otherwise skips them.")
-for name in ("methods", "models", "steps", "warmup", "batch_size", "timeout", "out"):
+for name in ("methods", "models", "steps", "warmup", "batch_size", "optimizer", "timeout", "out"):
     flags.declare_key_flag(name)  # wire.py's, listed in --help
 FLAGS = flags.FLAGS
 FLAGS.set_default("methods", DEFAULT_METHODS)
@@ -122,11 +123,9 @@ def worker():
     hvd.init()
     tf.keras.utils.set_random_seed(0)
     model = wire.build_model(keras, FLAGS.model)
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True)
     if FLAGS.horovod_allreduce_at_size_1:
         allreduce_at_size_1(hvd)
-    if FLAGS.method != BASELINE:
-        optimizer, _ = wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method, optimizer)
+    optimizer, _ = wire.benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
     train = launch.training_step(keras, model, optimizer)  # a tf.function: its graph tells encode from decode
     x = tf.random.normal([FLAGS.batch_size, *model.input_shape[1:]])
     y = tf.random.uniform([FLAGS.batch_size], 0, model.output_shape[-1], tf.int64)
@@ -142,7 +141,7 @@ def worker():
              for ops, window, collectives in step_events(profile(step, FLAGS.profile_steps))]
     median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
-        model=FLAGS.model, method=FLAGS.method, params=int(sum(v.shape.num_elements()
+        model=FLAGS.model, method=FLAGS.method, optimizer=FLAGS.optimizer, params=int(sum(v.shape.num_elements()
                                                                 for v in model.trainable_variables)),
         step_ms=statistics.median(times), step_ms_each=times,
         phases_ms={p: median(p) for p in PHASES}, runtime_ms=median("runtime"),
@@ -316,6 +315,7 @@ def run_job(model, method):
                 f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
                 f"--profile_steps={FLAGS.profile_steps}", f"--batch_size={FLAGS.batch_size}",
                 f"--threads={FLAGS.threads}", f"--top_ops={FLAGS.top_ops}", f"--result={result}",
+                f"--optimizer={FLAGS.optimizer}",
                 f"--horovod_allreduce_at_size_1={str(FLAGS.horovod_allreduce_at_size_1).lower()}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}  # one rank, not a launcher's
         env.update(TF_NUM_INTRAOP_THREADS=str(FLAGS.threads), TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1",
@@ -328,10 +328,16 @@ def run_job(model, method):
         return json.loads(result.read_text())
 
 
+def baseline_of(rows):
+    """The floor's row: no_exchange ("sgd", the bare SGD, in files from before --optimizer), or None."""
+    return next((r for r in rows if r["method"] in (BASELINE, "sgd")), None)
+
+
 def print_table(model, rows):
-    baseline = next((r for r in rows if r["method"] == BASELINE), None)
-    print(f"\n### {model} ({rows[0]['params']:,} parameters, batch {FLAGS.batch_size})\n")
-    print("| method | step ms | vs plain SGD | " + " | ".join(PHASES) + " | runtime | profiled step |")
+    baseline = baseline_of(rows)
+    print(f"\n### {model} ({rows[0]['params']:,} parameters, batch {FLAGS.batch_size}, "
+          f"{wire.OPTIMIZERS[FLAGS.optimizer]})\n")
+    print(f"| method | step ms | vs {BASELINE} | " + " | ".join(PHASES) + " | runtime | profiled step |")
     print("|---|---:|---:|" + "---:|" * (len(PHASES) + 2))
     for r in rows:
         versus = (f"{r['step_ms'] - baseline['step_ms']:+.1f} ms ({r['step_ms'] / baseline['step_ms']:.2f}x)"
@@ -344,7 +350,7 @@ def print_table(model, rows):
 def main(_):
     if FLAGS.role == "worker":
         return worker()
-    launch.check_names("overhead.py", "methods", FLAGS.methods, [BASELINE, *wire.METHODS])
+    launch.check_names("overhead.py", "methods", FLAGS.methods, wire.METHODS)
     launch.check_names("overhead.py", "models", FLAGS.models, wire.MODELS)
     print(f"One rank, no network (Horovod size 1). Per method: the median of {FLAGS.steps} steps after "
           f"{FLAGS.warmup} warmup, then {FLAGS.profile_steps} profiled steps for the phases (ms, each the median "
@@ -360,7 +366,8 @@ def main(_):
                   f"ms)", flush=True)
     for model in FLAGS.models:
         print_table(model, [r for r in rows if r["model"] == model])
-    print("\nstep ms: unprofiled median. vs plain SGD: ms added to the bare Keras SGD's step, and the ratio. "
+    print(f"\nstep ms: unprofiled median. vs {BASELINE}: ms added to the step of the bare "
+          f"{wire.OPTIMIZERS[FLAGS.optimizer]} (no wrapper), and the ratio. "
           "Phases (profiled): compute = forward + backward; encode = the exchange's ops that feed a collective "
           "(error feedback, compression, casts); collective = Horovod's ops and the wait for them (on one rank: "
           "its own overhead, copies and cycle); decode = the exchange's ops after them; apply = the optimizer's "
@@ -371,7 +378,7 @@ def main(_):
           + "See the docstring of benchmarks/overhead.py.")
     command = launch.command_line(__file__, models=FLAGS.models, methods=FLAGS.methods, steps=FLAGS.steps,
                                   warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
-                                  batch_size=FLAGS.batch_size, threads=FLAGS.threads,
+                                  batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer, threads=FLAGS.threads,
                                   horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1, out=FLAGS.out)
     print(f"\nReproduce with:\n    {command}")
     results.save(FLAGS.out, rows)
@@ -379,15 +386,19 @@ def main(_):
 
 
 def render(rows):
-    """One model's rows as docs/benchmarks.md shows them: the unprofiled step, what it adds to plain SGD's,
-    and the profiled phases (ms)."""
-    baseline = next((r for r in rows if r["method"] == BASELINE), None)
+    """One model's rows as docs/benchmarks.md shows them: the unprofiled step, what it adds to the floor's
+    (no_exchange: the bare optimizer), and the profiled phases (ms)."""
+    baseline = baseline_of(rows)
     r0 = rows[0]
-    note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']}, one rank (no network), "
+    optimizer = r0.get("optimizer", "sgd")
+    note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']}, every method on Keras's "
+            f"{wire.OPTIMIZERS[optimizer]}"
+            + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
+            + ", one rank (no network), "
             f"{r0['intra_op_threads']} intra-op and 1 inter-op thread; step: median of {r0['steps']} steps after "
             f"{r0['warmup']}; phases: medians over {r0['profile_steps']} profiled steps; ms.")
     table = results.markdown_table(
-        ["method", "step", "added to plain SGD", *PHASES],
+        ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],
         [[r["method"], f"{r['step_ms']:.1f}",
           f"{r['step_ms'] - baseline['step_ms']:+.1f}" if baseline and r is not baseline else "-",
           *(f"{r['phases_ms'][p]:.1f}" for p in PHASES)] for r in rows])
@@ -395,9 +406,10 @@ def render(rows):
 
 
 def publish(rows):
-    """The table of each model in docs/benchmarks.md: overhead_<model>."""
+    """The table of each model in docs/benchmarks.md: overhead_<model> (overhead_<model>_adamw over AdamW)."""
     for model in dict.fromkeys(r["model"] for r in rows):
-        results.publish(f"overhead_{model}", render([r for r in rows if r["model"] == model]), results.command_line(),
+        mine = [r for r in rows if r["model"] == model]
+        results.publish(f"overhead_{model}{launch.table_suffix(mine[0])}", render(mine), results.command_line(),
                         source=FLAGS.out)
 
 

@@ -125,6 +125,8 @@ NO_EXCHANGE = "no_exchange"
 #: which its CPU build lacks: HOROVOD_HIERARCHICAL_ALLREDUCE does nothing there)
 HIERARCHICAL = {f"hier_{name}": name for name in ("none", "fp16", "onebit", "onebit_oneway", "quantize8", "quantize4",
                                                   "topk", "randomk", "powersgd")}
+#: --optimizer: the optimizer every method wraps (and no_exchange steps alone), by name
+OPTIMIZERS = {"sgd": "SGD(0.01, momentum=0.9, nesterov=True)", "adamw": "AdamW(1e-3, weight_decay=0.01)"}
 # make_optimizer's methods, Horovod's own first:
 METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION,
            *HIERARCHICAL, NO_EXCHANGE]
@@ -142,6 +144,10 @@ flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first one traces).")
 flags.DEFINE_integer("batch_size", 32, "Batch per rank.")
+flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "The optimizer every method wraps: "
+                  + "; ".join(f"{name}: Keras's {made}" for name, made in OPTIMIZERS.items())
+                  + ". Under adamw hvd_compress's methods compress from the first timed step (warmup_steps=--warmup): "
+                  "1-bit Adam, and Adam with its variance frozen after the warm-up under the others.")
 flags.DEFINE_bool("slow_start_after_idle", True, "Linux's default; false sets "
                   "net.ipv4.tcp_slow_start_after_idle=0 in the ranks' namespaces (see netns.py).")
 flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, to measure Horovod's "
@@ -230,6 +236,22 @@ def header_bytes():
     return 14 + 20 + 20 + (12 if timestamps else 0)
 
 
+def base_optimizer(keras):
+    """--optimizer's optimizer, as OPTIMIZERS names it."""
+    if FLAGS.optimizer == "adamw":
+        return keras.optimizers.AdamW(1e-3, weight_decay=0.01)
+    return keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True)
+
+
+def benchmarked_optimizer(hc, hvd_keras, keras, method):
+    """make_optimizer(method) over --optimizer's optimizer. Under AdamW hvd_compress's own wrappers warm up for
+    the untimed steps (--warmup), so that every timed step is compressed (1-bit Adam needs a warm-up; the
+    error-feedback methods then freeze Adam's variance, the setting measured best under AdamW)."""
+    ours = method not in (*BASELINES, NO_EXCHANGE) and not method.startswith("sgp")
+    warmup = dict(warmup_steps=FLAGS.warmup) if FLAGS.optimizer == "adamw" and ours else {}
+    return make_optimizer(hc, hvd_keras, keras, method, base_optimizer(keras), **warmup)
+
+
 def worker():
     import hvd_compress as hc
     import tensorflow as tf
@@ -241,8 +263,7 @@ def worker():
     hvd.init(process_sets="dynamic")  # (the hier_ methods make the hosts' process sets)
     tf.keras.utils.set_random_seed(0)
     model = build_model(keras, FLAGS.model)
-    opt, accounted = make_optimizer(hc, hvd_keras, keras, FLAGS.method,
-                                    keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True))
+    opt, accounted = benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
     if FLAGS.method == "accordion_calm":  # every layer calm, so at high compression (no retrace)
         critical = opt.compression_exchange.monitor.critical
@@ -285,7 +306,7 @@ def run_job(net, model, method):
     """Runs one job on net's ranks; returns the ranks' JSON, ordered by rank."""
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
-            f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}"]
+            f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}", f"--optimizer={FLAGS.optimizer}"]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
                                     inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher,
                                     tf_cpu_allocator=FLAGS.tf_cpu_allocator, point_to_point=launch.needs_mpi(method))
@@ -316,7 +337,7 @@ def summarize(rate, layout, model, method, ranks):
         raw_vs_accounted=host_mean("tx_bytes") / accounted - 1 if one_rank_hosts and accounted else None,
         wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts and accounted else None,
         control_vs_accounted_est=statistics.fmean(control) / accounted if accounted else None,
-        steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size,
+        steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
         tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks,
         tcp_progress_thread=FLAGS.launcher == "mpi" and launch.needs_mpi(method))
@@ -335,7 +356,7 @@ def command_line():
     layout = dict(hosts=FLAGS.hosts) if FLAGS.hosts else dict(ranks=FLAGS.ranks)
     return launch.command_line(__file__, rates=FLAGS.rates, **layout, models=FLAGS.models,
                                methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
-                               batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s,
+                               batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s, optimizer=FLAGS.optimizer,
                                inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
                                tf_cpu_allocator=FLAGS.tf_cpu_allocator,
@@ -403,7 +424,10 @@ def render(rows):
     allocator = ("TensorFlow's BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=1)"
                  if r0.get("tf_cpu_allocator") == "bfc" else "TensorFlow's default CPU allocator")
     models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
-    note = (f"{models}, batch {r0['batch_size']} per rank; median step of the slowest "
+    optimizer = r0.get("optimizer", "sgd")
+    note = (f"{models}, batch {r0['batch_size']} per rank, every method on Keras's {OPTIMIZERS[optimizer]}"
+            + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
+            + f"; median step of the slowest "
             f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
             f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}; "
             f"{launch.launched(r0.get('launcher', 'gloo'))}; {allocator}. Hosts: HxL is H "
