@@ -12,6 +12,6 @@ from hvd_compress.gossip import PushSumOptimizer
 from hvd_compress.callbacks import broadcast_variables
 
 __version__ = "0.1.0"
-__all__ = ["accordion", "broadcast_variables", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
-           "GradientExchange", "PushSumOptimizer", "callbacks", "compressor", "elastic", "exchange", "gossip",
+__all__ = ["accordion", "broadcast_variables", "Compression", "Compressor", "DistributedGradientTape",
+           "DistributedOptimizer", "GradientExchange", "PushSumOptimizer", "callbacks", "compressor", "elastic", "exchange", "gossip",
            "load_model", "methods", "require_legacy_keras", "state"]

@@ -268,7 +268,8 @@ class GradientExchange(tf.Module):
         if one_bit_adam and not self.warmup_steps:
             raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
                              "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
-                             "warmup_steps >= 1, or None for the default (the learning rate's warm-up, or 10% of the fit).")
+                             "warmup_steps >= 1, or None for the default (the learning rate's warm-up, or 10% of the "
+                             "fit).")
         if self.recall_totals is not None and self.warmup_steps:
             raise ValueError("The recall metric is measured for sketched SGD without a warm-up: measure it in a run "
                              "with warmup_steps=0.")
@@ -647,8 +648,8 @@ def _check_arguments(compression, op, min_compress_size, fusion_threshold_bytes,
         raise ValueError(f"min_compress_size must be a positive integer, got {min_compress_size!r}.")
     if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
                                      or warmup_steps < 0):
-        raise ValueError(f"warmup_steps must be None (the default: 0, and under 1-bit Adam a warm-up that follows the run) or an integer "
-                         f">= 0, got {warmup_steps!r}.")
+        raise ValueError(f"warmup_steps must be None (the default: 0, and under 1-bit Adam a warm-up that follows "
+                         f"the run) or an integer >= 0, got {warmup_steps!r}.")
     if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
         raise ValueError(f"fusion_threshold_bytes must be a positive integer, got "
                          f"{fusion_threshold_bytes!r}.")
