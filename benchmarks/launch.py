@@ -94,6 +94,18 @@ def mlp(keras, layers):
         for i, units in enumerate(layers[1:])])
 
 
+#: the text model (time_to_accuracy.py --task=text, wire.py's text24m): the next character from TEXT_CONTEXT
+#: characters, each embedded in EMBEDDING numbers, then a wide ReLU MLP
+TEXT_CONTEXT, EMBEDDING, TEXT_HIDDEN = 24, 32, (4096, 4096, 1024)
+
+
+def text_mlp(keras, vocab_size, hidden=TEXT_HIDDEN):
+    """The text model: int32 character codes [batch, TEXT_CONTEXT] -> logits over vocab_size characters."""
+    return keras.Sequential([keras.layers.Input((TEXT_CONTEXT,), dtype="int32"),
+                             keras.layers.Embedding(vocab_size, EMBEDDING), keras.layers.Flatten(),
+                             mlp(keras, [TEXT_CONTEXT * EMBEDDING, *hidden, vocab_size])])
+
+
 def _run_for_json(script, ranks, flags, json_flag, env, timeout, launcher="gloo"):
     """Runs `script <flags> --<json_flag>=<file>` on `ranks` local ranks launched with Gloo or MPI; the JSON
     rank 0 wrote."""
@@ -141,7 +153,9 @@ def warm_step(keras, model, optimizer, batch_size, warmup=3):
     import tensorflow as tf
 
     train = training_step(keras, model, optimizer)
-    x = tf.random.normal([batch_size, *model.input_shape[1:]])
+    shape = [batch_size, *model.input_shape[1:]]
+    integer = tf.as_dtype(model.inputs[0].dtype).is_integer  # (the text model's character codes)
+    x = (tf.random.uniform(shape, 0, model.output_shape[-1], tf.int32) if integer else tf.random.normal(shape))
     y = tf.random.uniform([batch_size], 0, model.output_shape[-1], tf.int64)
 
     def step():

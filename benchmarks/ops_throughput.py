@@ -66,6 +66,22 @@ def stock_momentum_error_feed(g, m, e, lr=0.1, momentum=0.9):
     return velocity, lr * (momentum * velocity + g) + e
 
 
+def stock_adam_momentum_feed(g, m, v, e, beta_1=0.9, epsilon=1e-7):
+    """hvd_compress/adam.py's 1-bit Adam worker side before its fused kernel."""
+    return (m + (g - m) * (1.0 - beta_1)) / (tf.sqrt(v) + epsilon) + e
+
+
+def stock_adam_frozen_step(mean, v, alpha=1e-3, epsilon=1e-7):
+    """1-bit Adam's receiving side before its fused kernel: m = mean d, delta = mean alpha."""
+    return mean * (tf.sqrt(v) + epsilon), mean * alpha
+
+
+def stock_decay_and_subtract(variable, delta, rate=1e-5):
+    """Keras's decoupled weight decay, then assign_sub: the variable's step before its fused kernel."""
+    variable.assign(variable - variable * rate)
+    variable.assign_sub(delta)
+
+
 def stock_quantize_compress(x, bits, block, seed=(1, 2)):
     """Compression.quantize's stochastic coding, 4-bit packing and residual with stock TF ops, on
     [-1, block] rows (x padded with its last value, which leaves the last block's min and max as they are)."""
@@ -147,6 +163,8 @@ def measure(n):
     sketches = {rows: ops.count_sketch(x, rows, c) for rows, c in shapes.items()}
     half = tf.cast(x, tf.float16)
     m, e = (tf.constant(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
+    v = tf.abs(m) * 1e-4
+    weights = [tf.Variable(m) for _ in range(2)]
     cases = {
         "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
         "tf.identity": (tf.function(tf.identity), x),
@@ -169,6 +187,15 @@ def measure(n):
         # dist-EF-SGD's worker step (Nesterov) in one pass, against the six TensorFlow ops it replaces.
         "momentum_error_feed": (tf.function(lambda g: ops.momentum_error_feed(g, m, e, 0.1, 0.9, True)), x),
         "momentum_error_feed, stock TF": (tf.function(lambda g: stock_momentum_error_feed(g, m, e)), x),
+        # 1-bit Adam's worker side (a = momentum over d + e) and receiving side (m = D d, delta = D alpha), each
+        # in one pass, against the TensorFlow ops they replace.
+        "adam_momentum_feed": (tf.function(lambda g: ops.adam_momentum_feed(g, m, v, e, 0.9, 1e-7)), x),
+        "adam_momentum_feed, stock TF": (tf.function(lambda g: stock_adam_momentum_feed(g, m, v, e)), x),
+        "adam_frozen_step": (tf.function(lambda d: ops.adam_frozen_step(d, m, v, 1e-3, 0.9, 1e-7, True)), x),
+        "adam_frozen_step, stock TF": (tf.function(lambda d: stock_adam_frozen_step(d, v)), x),
+        # The variable's step under AdamW (weight decay, then x -= delta), in place in one pass.
+        "decay_and_subtract (in place)": (tf.function(lambda d: ops.decay_and_subtract(weights[0], d, 1e-5)), x),
+        "decay_and_subtract, stock TF": (tf.function(lambda d: stock_decay_and_subtract(weights[1], d)), x),
         # Compression.fp16's casts into and out of its float16 buffer (F16C), and TensorFlow's tf.cast.
         "half_pack": (tf.function(lambda t: ops.half_pack([t])), x),
         "half_pack, stock TF": (tf.function(lambda t: tf.cast(t, tf.float16)), x),

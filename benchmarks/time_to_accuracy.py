@@ -147,7 +147,7 @@ TASK_DEFAULTS = {"digits": dict(lr=0.02, epochs=12, eval_every=5),
                  "text": dict(lr=1e-3, epochs=1, eval_every=20, compression_warmup=0.1)}
 #: the text task: characters of context, each embedded in EMBEDDING numbers; a window starts every TEXT_STRIDE
 #: characters (so every character is one window's target once); the last TEXT_TEST_CHARS are the test set
-TEXT_CONTEXT, EMBEDDING, TEXT_STRIDE, TEXT_TEST_CHARS = 24, 32, 24, 5_000
+TEXT_CONTEXT, EMBEDDING, TEXT_STRIDE, TEXT_TEST_CHARS = launch.TEXT_CONTEXT, launch.EMBEDDING, 24, 5_000
 
 
 def setting(name):
@@ -188,9 +188,7 @@ def text_task(keras, hvd, hvd_keras, hc):
     x_test, y_test = next_character(codes[-TEXT_TEST_CHARS - TEXT_CONTEXT:], TEXT_CONTEXT, 1)
     data, steps_per_epoch = digits.shard(x, y, hvd.rank(), hvd.size(), FLAGS.batch_size, FLAGS.seed)
     hidden = [int(width) for width in FLAGS.layers[1:-1]]
-    model = keras.Sequential([keras.layers.Input((TEXT_CONTEXT,), dtype="int32"),
-                              keras.layers.Embedding(vocab_size, EMBEDDING), keras.layers.Flatten(),
-                              launch.mlp(keras, [TEXT_CONTEXT * EMBEDDING, *hidden, vocab_size])])
+    model = launch.text_mlp(keras, vocab_size, hidden)
     total = setting("epochs") * steps_per_epoch
     opt, accounted = make_optimizer(hc, hvd_keras, keras, transformer.adamw(keras, total, lr=setting("lr")), total)
     return model, opt, accounted, iter(data), steps_per_epoch, x_test, y_test

@@ -34,6 +34,9 @@ it TCP payload). Per model, N and method the table shows:
 - step ms: the median step (forward, backward, exchange, update) of the slowest rank;
 - step vs Horovod fp32, step vs Horovod fp16: their step / this step, measured in the
   same run ("x faster"); Horovod's fp16 is what a user would otherwise pick;
+- step vs floor + link: this step / (no_exchange's step in the same run + the time this row's
+  host link tx bytes take at the link's rate): how far the method is from its compute plus its
+  own bytes on the wire (1.00x: nothing but those);
 - accounted bytes/step: what one worker sends per step by the exchange's own
   accounting (hvd_compress: opt.compression_exchange.bytes_sent; hier_ methods: what it sends
   to other hosts, opt.compression_exchange.cross_host_bytes; SGP:
@@ -132,7 +135,8 @@ METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINE
            *HIERARCHICAL, NO_EXCHANGE]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
-MODELS = [*MLPS, "digits_cnn"]
+#: text24m: time_to_accuracy.py --task=text's model (launch.text_mlp, 24.2M parameters, an embedding first)
+MODELS = [*MLPS, "digits_cnn", "text24m"]
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher builds the network and starts the ranks.")
 flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc syntax), one table each.")
@@ -213,10 +217,13 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
 
 
 def build_model(keras, name):
+    sys.path.insert(0, str(REPO / "examples"))
     if name == "digits_cnn":
-        sys.path.insert(0, str(REPO / "examples"))
         import digits
         return digits.cnn(keras)
+    if name == "text24m":
+        from pydoc_text import character_codes
+        return launch.text_mlp(keras, character_codes()[1])
     return launch.mlp(keras, MLPS[name])
 
 
@@ -420,6 +427,15 @@ def render(rows):
         base = next((x for x in rows if key(x) == (*key(r)[:3], method)), None)
         return results.times(base[field] / r[field]) if base and base.get(field) and r.get(field) else "-"
 
+    def versus_floor(r):
+        """r's step / (no_exchange's step + r's host link bytes at the link's rate)."""
+        key = lambda x: (x["rate"], layout_of(x), x["model"])  # noqa: E731
+        floor = next((x for x in rows if key(x) == key(r) and x["method"] == NO_EXCHANGE), None)
+        if floor is None or r["method"] == NO_EXCHANGE or not r.get("veth_tx_bytes"):
+            return "-"
+        link_ms = r["veth_tx_bytes"] * 8 / netns.rate_bits(r["rate"]) * 1e3
+        return f"{r['step_ms'] / (floor['step_ms'] + link_ms):.2f}x"
+
     r0 = rows[0]
     allocator = ("TensorFlow's BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=1)"
                  if r0.get("tf_cpu_allocator") == "bfc" else "TensorFlow's default CPU allocator")
@@ -439,12 +455,13 @@ def render(rows):
                else ""))
     table = results.markdown_table(
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
-         "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted", "host link bytes vs Horovod fp32"],
+         "step vs floor + link", "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted",
+         "host link bytes vs Horovod fp32"],
         [[r["rate"], layout_of(r), r["model"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
-          versus(r, horovod["fp16"]), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
+          versus(r, horovod["fp16"]), versus_floor(r), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
           versus(r, horovod["fp32"], "veth_tx_bytes") if r["accounted"] else "-"] for r in rows],
-        align=["l", "l", "l", "l"] + ["r"] * 7)
+        align=["l", "l", "l", "l"] + ["r"] * 8)
     return f"{note}\n\n{table}"
 
 

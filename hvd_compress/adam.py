@@ -44,7 +44,12 @@ docs/algorithms.md, "Which compression under which optimizer").
 """
 import tensorflow as tf
 
+import horovod.tensorflow as hvd
+from hvd_compress import exchange, ops
+from hvd_compress.compressor import ERROR_FEEDBACK, MOMENTUM_IN_FRONT
 from hvd_compress.keras_compat import adam_slots
+from hvd_compress.rules import WorkerRule, is_adam, register
+from hvd_compress.state import REPLICATED, StateSpec
 
 
 #: 1-bit Adam's warm-up as a fraction of a run of known length. On the transformer under AdamW (585 steps,
@@ -68,37 +73,55 @@ def default_warmup_steps(optimizer, planned_steps=None):
     return int(round(1.0 / (1.0 - float(optimizer.beta_2)))), "1 / (1 - beta_2)"
 
 
-class FrozenVarianceAdam:
+@register
+class FrozenVarianceAdam(WorkerRule):
     """The worker's side of Adam (or AdamW) with its variance frozen after the warm-up, for the compressed
-    variables of one optimizer whose compressor feeds back errors on gradients: what it hands the exchange
-    (`error_fed`) and the step it takes from the exchanged mean (`delta`)."""
+    variables of one optimizer whose compressor feeds back errors on gradients (warmup_steps > 0): it hands the
+    exchange a_i = g_i + e_i and takes the step from the exchanged mean (`finish`)."""
 
-    def __init__(self, optimizer, variables, warmup_steps, variance_steps):
-        """variance_steps: a replicated float32 variable, the number of steps v has averaged (0: none yet)."""
+    applies_step = feeds_back = True
+    #: what travels after the warm-up is Adam's momentum over d (1-bit Adam), not the gradient
+    exchanges_momentum = False
+
+    @classmethod
+    def matches(cls, update_rule, optimizer, warmup_steps):
+        return update_rule == ERROR_FEEDBACK and is_adam(optimizer) and bool(warmup_steps)
+
+    def __init__(self, optimizer, variables, residual_in_exchange):
+        super().__init__(optimizer, variables, residual_in_exchange)
         self.slots = [adam_slots(optimizer, v) for v in variables]
-        self.variance_steps = variance_steps
         self.beta_1, self.beta_2 = float(optimizer.beta_1), float(optimizer.beta_2)
         self.epsilon = float(optimizer.epsilon)
         self.adaptive_epsilon = bool(getattr(optimizer, "adaptive_epsilon", False))  # tf_keras's option
-        self.warmup_steps = warmup_steps
+
+    def check(self, compression, op, warmup_steps):
+        if op != hvd.Average:
+            raise ValueError(f"{compression!r} under Adam with warmup_steps={warmup_steps} moves Adam's momentum by "
+                             "the averaged gradient and freezes its variance after the warm-up, which needs an "
+                             "average: use op=hvd.Average (or warmup_steps=0).")
+
+    def build(self, replicated):
+        #: the number of steps v has averaged (0: none yet), replicated
+        self.variance_steps = replicated(StateSpec("adam_variance_steps", (), REPLICATED))
+
+    def begin(self, step, learning_rate, momentum, nesterov):
+        return exchange.StepInfo(step, nesterov=nesterov,
+                                 rule=(tf.cast(learning_rate, tf.float32), self.count_variance_steps(step)))
 
     def warm(self, step):
         """Whether the optimizer's step `step` (0-based) is a full-precision warm-up step."""
         return tf.cast(step, tf.int64) < self.warmup_steps
 
-    def error_fed(self, slot, g, e, step):
-        """a_i = g_i + e_i (e_i stays zero through the warm-up)."""
-        return g + e
-
-    def preconditioner(self, slot, dtype):
-        """d = sqrt(v) + eps (v_hat under amsgrad; tf_keras's adaptive epsilon scaled with the frozen
-        correction), frozen after the warm-up."""
-        _, v, v_hat = self.slots[slot]
-        velocity = tf.cast(tf.convert_to_tensor(v if v_hat is None else v_hat), dtype)
-        epsilon = self.epsilon
+    def epsilon_now(self):
+        """Adam's epsilon as it stands (tf_keras's adaptive epsilon scaled with the frozen correction)."""
         if self.adaptive_epsilon:
-            epsilon = self.epsilon * tf.sqrt(1.0 - tf.pow(self.beta_2, tf.convert_to_tensor(self.variance_steps)))
-        return tf.sqrt(velocity) + tf.cast(epsilon, dtype)
+            return self.epsilon * tf.sqrt(1.0 - tf.pow(self.beta_2, tf.convert_to_tensor(self.variance_steps)))
+        return tf.constant(self.epsilon, tf.float32)
+
+    def velocity(self, slot):
+        """v as float32 (v_hat under amsgrad): d = sqrt(v) + eps, frozen after the warm-up."""
+        _, v, v_hat = self.slots[slot]
+        return tf.cast(tf.convert_to_tensor(v if v_hat is None else v_hat), tf.float32)
 
     def count_variance_steps(self, step):
         """Once a step: the steps v has averaged, for its bias correction: t during the warm-up, then frozen
@@ -109,50 +132,78 @@ class FrozenVarianceAdam:
         self.variance_steps.assign(steps)
         return steps
 
-    def delta(self, slot, mean, step, learning_rate, variance_steps):
-        """What the variable loses this step, from the exchanged mean; updates m (and v during warm-up).
-        variance_steps: count_variance_steps(step)."""
+    def finish(self, slot, update, residual, info):
+        """Keeps the residual; returns what the variable loses this step, from the exchanged mean, and updates m
+        (and v during warm-up)."""
+        super().finish(slot, update, residual, info)
+        learning_rate, variance_steps = info.rule
         m, v, v_hat = self.slots[slot]
-        mean = tf.reshape(tf.cast(mean, m.dtype), m.shape)
-        t = tf.cast(step + 1, tf.float32)
+        mean = tf.reshape(tf.cast(update, m.dtype), m.shape)
+        t = tf.cast(info.number + 1, tf.float32)
         variance_correction = tf.sqrt(1.0 - tf.pow(self.beta_2, variance_steps))
-        alpha = tf.cast(tf.cast(learning_rate, tf.float32) * variance_correction / (1.0 - tf.pow(self.beta_1, t)),
-                        m.dtype)
+        alpha = tf.cast(learning_rate * variance_correction / (1.0 - tf.pow(self.beta_1, t)), m.dtype)
 
-        def adam():
+        def adam():  # the warm-up: v follows the mean gradient, then the step as below, from this v
             v.assign_add((tf.square(mean) - v) * (1.0 - self.beta_2))
             if v_hat is not None:
                 v_hat.assign(tf.maximum(v_hat, v))
-            return self.momentum_step(slot, mean, alpha)
+            return self.step(slot, mean, alpha, momentum_exchanged=False)
 
-        return tf.cond(self.warm(step), adam, lambda: self.compressed_step(slot, mean, alpha))
+        return tf.cond(self.warm(info.number), adam, lambda: self.step(slot, mean, alpha, self.exchanges_momentum))
 
-    def momentum_step(self, slot, mean, alpha):
-        """Adam's momentum follows the mean gradient; the step is alpha m / d (d from v as it stands)."""
+    def step(self, slot, mean, alpha, momentum_exchanged):
+        """Adam's step with v as it stands, in one pass (ops.adam_frozen_step): where the mean is a gradient, m follows
+        it and the step is alpha m / d; where it is the momentum over d (1-bit Adam), m = mean d and the step is
+        alpha mean."""
         m = self.slots[slot][0]
-        m.assign_add((mean - m) * (1.0 - self.beta_1))
-        return (tf.convert_to_tensor(m) * alpha) / self.preconditioner(slot, m.dtype)
+        m_new, delta = ops.adam_frozen_step(tf.cast(mean, tf.float32), tf.cast(tf.convert_to_tensor(m), tf.float32),
+                                            self.velocity(slot), alpha, self.beta_1, self.epsilon_now(),
+                                            momentum_exchanged)
+        m.assign(tf.cast(m_new, m.dtype))
+        return tf.cast(delta, m.dtype)
 
-    def compressed_step(self, slot, mean, alpha):
-        """After the warm-up: m follows the exchanged mean gradient, v stays."""
-        return self.momentum_step(slot, mean, alpha)
 
+@register
+class OneBitAdam(FrozenVarianceAdam):
+    """The worker's side of 1-bit Adam: Adam's momentum over d is what travels after the warm-up, and the
+    warm-up follows the run (default_warmup_steps)."""
 
-class AdamMomentumInFront(FrozenVarianceAdam):
-    """The worker's side of 1-bit Adam: Adam's momentum over d is what travels after the warm-up."""
+    exchanges_momentum = True
 
-    def error_fed(self, slot, g, e, step):
-        """a_i: the gradient during warm-up, then this rank's momentum over d plus its residual."""
-        m = self.slots[slot][0]
+    @classmethod
+    def matches(cls, update_rule, optimizer, warmup_steps):
+        return update_rule == MOMENTUM_IN_FRONT and is_adam(optimizer)
+
+    def check(self, compression, op, warmup_steps):
+        if op != hvd.Average:
+            raise ValueError(f"{compression!r} under Adam exchanges Adam's momentum (1-bit Adam), which needs an "
+                             "average: use op=hvd.Average.")
+        if not warmup_steps:
+            raise ValueError(f"{compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after a "
+                             "full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
+                             "warmup_steps >= 1, or None for the default (the learning rate's warm-up, or 10% of the "
+                             "fit).")
+
+    @classmethod
+    def settle(cls, compression, world_size):
+        """A scale per 256 elements and the one-way exchange, for the arguments left out: on the transformer under
+        AdamW (2 ranks, 3 seeds; docs/algorithms.md, "Which compression under which optimizer")
+        onebit(block_size=256, two_way=False) ended 0.29 point below AdamW, onebit's SGD defaults (a scale per
+        tensor, two-way) 0.61, and either change alone did not close the gap. On 2 ranks one-way moves the bytes
+        two-way does; on more its bytes grow with the ranks (two_way=True keeps them flat). The same at every world
+        size, so a checkpoint resumes at another one."""
+        return compression.with_defaults(block_size=256, two_way=False)
+
+    def default_warmup(self, planned_steps):
+        return default_warmup_steps(self.optimizer, planned_steps)
+
+    def feed(self, slot, g, info):
+        """a_i: the gradient during warm-up, then this rank's momentum over d plus its residual, in one pass
+        (ops.adam_momentum_feed)."""
+        m, e = self.slots[slot][0], self.residual(slot, g)
 
         def momentum():
-            m_ = tf.cast(m, tf.float32)
-            return (m_ + (g - m_) * (1.0 - self.beta_1)) / self.preconditioner(slot, tf.float32) + e
+            return ops.adam_momentum_feed(g, tf.cast(tf.convert_to_tensor(m), tf.float32), self.velocity(slot), e,
+                                          self.beta_1, self.epsilon_now())
 
-        return tf.cond(self.warm(step), lambda: tf.identity(g), momentum)
-
-    def compressed_step(self, slot, mean, alpha):
-        """After the warm-up the mean is m / d, averaged: m = mean d, and the step is alpha mean."""
-        m = self.slots[slot][0]
-        m.assign(mean * self.preconditioner(slot, m.dtype))
-        return mean * alpha
+        return tf.cond(self.warm(info.number), lambda: tf.identity(g), momentum)

@@ -62,6 +62,14 @@ class Compressor(hvd_compression.Compressor):
         compressor.arguments = {name: value for name, value in list(bound.items())[1:]}
         return compressor
 
+    def with_defaults(self, **defaults):
+        """This compressor made again with `defaults` for the arguments its maker left out (of those its __init__
+        takes); itself where none applies. A worker rule's measured defaults (rules.WorkerRule.settle)."""
+        parameters = inspect.signature(type(self).__init__).parameters
+        missing = {name: value for name, value in defaults.items()
+                   if name in parameters and name not in self.arguments}
+        return type(self)(**self.arguments, **missing) if missing else self
+
 
 class StatefulCompressor(Compressor):
     """A compressor that plans its own exchange and needs hvd_compress.DistributedOptimizer.

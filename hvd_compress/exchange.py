@@ -99,6 +99,8 @@ class StepInfo(NamedTuple):
     #: lr / the previous step's lr where the rule puts lr inside: residuals of lr-scaled quantities (the
     #: two-way server's) are multiplied by it this step (1 where the rate did not change)
     residual_scale: Optional[tf.Tensor] = None
+    #: the worker rule's own values of this step (rules.WorkerRule.begin), which no exchange reads
+    rule: object = None
 
 
 def rescaled(residual, scale):

@@ -18,14 +18,10 @@ momenta, server-residual shards) is kept apart, in checkpoints only, with the
 rank and world size it belongs to; a restore onto another rank or world size
 starts it afresh, and rank 0 logs one line (hvd_compress/state.py).
 
-Update rules (the compressor's `update_rule`; `direct_update` where lr is inside):
-- ERROR_FEEDBACK: a_i = g_i + e_i, e_i = a_i - sent_i; the mean is the gradient (under Adam and AdamW with a
-  warm-up, Adam with its variance frozen after it: adam.py).
-- MOMENTUM_IN_FRONT under SGD: m_i = mu m_i + g_i, a_i = lr p_i + s e_i (ops.momentum_error_feed),
-  and the mean D is a delta the optimizer subtracts; under Adam and AdamW 1-bit Adam (adam.py: Adam's
-  momentum is exchanged, its variance frozen after the warm-up); under other optimizers ERROR_FEEDBACK.
-- EXCHANGE_FEEDBACK: the worker hands plain gradients; the exchange keeps error and momentum.
-- NO_FEEDBACK: a_i = g_i; nothing is kept.
+Update rules. The worker's side of each (error feedback, dist-EF-SGD's momentum in front, 1-bit Adam, Adam with a
+frozen variance, none) is a rules.WorkerRule, chosen once at build from the compressor's `update_rule` and the
+wrapped optimizer: it declares its state, feeds each compressed variable's a_i to the exchange and finishes the
+step from the exchanged mean (rules.py, adam.py).
 
 Hosts. With hierarchical=True every bucket is averaged inside each host at full precision and compressed
 only across hosts (exchange.Hierarchical; the uncompressed tensors exchange.HierarchicalDense): the error
@@ -44,11 +40,9 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, hosts, ops, state
-from hvd_compress.compressor import (ERROR_FEEDBACK, EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, UPDATE_RULES,
-                                     NoneCompressor, StatefulCompressor)
+from hvd_compress import adam, exchange, hosts, ops, rules, state  # adam: registers its rules
+from hvd_compress.compressor import UPDATE_RULES, NoneCompressor, StatefulCompressor
 from hvd_compress.accordion import AdaptiveCompression
-from hvd_compress.adam import WARMUP_FRACTION, AdamMomentumInFront, FrozenVarianceAdam, default_warmup_steps
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
 
 log = logging.getLogger("hvd_compress")
@@ -94,8 +88,8 @@ class GradientExchange(tf.Module):
     state through the factory `build` is given (optimizer variables for
     DistributedOptimizer, so Horovod's broadcasts and model files see it;
     this module's own variables otherwise). Each step turns local gradients
-    into averaged gradients or, where the update rule puts the learning rate inside
-    (`direct_update`: dist-EF-SGD, sketched SGD, FetchSGD under SGD), the parameter deltas D.
+    into averaged gradients or, where its worker rule takes the step itself (`rule.applies_step`:
+    dist-EF-SGD, sketched SGD, FetchSGD under SGD, 1-bit Adam, Adam with a frozen variance), the deltas to subtract.
     For custom loops create one, once, and pass it to every
     DistributedGradientTape; checkpoint it with tf.train.Checkpoint(exchange=...).
     After an elastic reset, `replan()` plans for the new world.
@@ -157,10 +151,9 @@ class GradientExchange(tf.Module):
         self.compression, self.monitor = compression, detector
 
     # -- planning and state -------------------------------------------------------------
-    def build(self, variables, new_replicated=None, holder=None, sgd=False, adam=None):
-        """Plans the layout and creates the state. sgd: the optimizer that applies the result is (Keras)
-        SGD, so update rules that put the learning rate and momentum inside run that way; adam: that
-        optimizer when it is an Adam (or AdamW), built, whose momentum such rules exchange (1-bit Adam).
+    def build(self, variables, new_replicated=None, holder=None, optimizer=None):
+        """Plans the layout, chooses the worker rule (rules.choose: from the compressor's update_rule and
+        `optimizer`, the wrapped Keras optimizer, None under a tape) and creates the state.
 
         new_replicated(spec) -> variable creates replicated state (default: this
         module's variables); holder tracks the per-rank state for checkpoints
@@ -169,29 +162,27 @@ class GradientExchange(tf.Module):
         if self.built:
             return
         variables = list(variables)
-        rule = self.compression.update_rule
-        one_bit_adam = adam is not None and rule == MOMENTUM_IN_FRONT
-        # Adam's variance frozen after the warm-up, m following the exchanged gradient (adam.FrozenVarianceAdam)
-        frozen_variance = adam is not None and rule == ERROR_FEEDBACK and bool(self.requested_warmup_steps)
-        self.direct_update = (sgd and rule in (MOMENTUM_IN_FRONT, EXCHANGE_FEEDBACK)) or one_bit_adam or frozen_variance
-        #: error feedback (the worker's residual per compressed variable; hierarchical: the exchange's, on
-        #: its shard of the host's mean), and a momentum in front
-        self.feedback = rule in (ERROR_FEEDBACK, MOMENTUM_IN_FRONT)
-        self.keeps_residual = self.feedback and not self.hierarchical
-        self.keeps_momentum = sgd and rule == MOMENTUM_IN_FRONT
-        # 1-bit Adam's default warm-up follows the coming model.fit (plan_fit), until the first step is traced.
-        object.__setattr__(self, "_default_warmup", (lambda planned: default_warmup_steps(adam, planned))
-                           if one_bit_adam and self.requested_warmup_steps is None else None)
-        self.warmup_steps, self.warmup_source = self.requested_warmup_steps or 0, "as warmup_steps= gave it"
-        if self._default_warmup is not None:
-            self._choose_warmup()
-        self._refuse_unsupported(rule, sgd, one_bit_adam, frozen_variance)
         # Kept as plain facts, not references: the module must not track the model's variables.
         self.variable_ids = [id(v) for v in variables]
         self.variable_names = [variable_name(v) for v in variables]
         self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        rule_class = rules.choose(self.compression.update_rule, optimizer, self.requested_warmup_steps)
+        settled = rule_class.settle(self.compression, self.process_set.size())
+        if settled is not self.compression and hvd.rank() == 0:
+            log.info("hvd_compress: under %s, %r trains as %r (the defaults measured best there; give the arguments to "
+                     "choose others).", rule_class.__name__, self.compression, settled)
+        self.compression = settled
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
+        object.__setattr__(self, "rule", rule_class(optimizer, [variables[i] for i in self.layout.compressed],
+                                                    self.hierarchical))
+        self.warmup_steps, self.warmup_source = self.requested_warmup_steps or 0, "as warmup_steps= gave it"
+        if self.requested_warmup_steps is None:
+            self._choose_warmup()
+        self.rule.check(self.compression, self.op, self.warmup_steps)
+        if self.recall_totals is not None and self.warmup_steps:
+            raise ValueError("The recall metric is measured for sketched SGD without a warm-up: measure it in a run "
+                             "with warmup_steps=0.")
         object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
         object.__setattr__(self, "_holder", holder or self)
         object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
@@ -203,15 +194,7 @@ class GradientExchange(tf.Module):
         # The step the warm-up counts: the optimizer's, else this exchange's own (not tracked here).
         object.__setattr__(self, "_step_variable",
                            getattr(self._holder, "iterations", None) if self.own_steps is None else self.own_steps)
-        #: the worker's side of 1-bit Adam or of Adam with a frozen variance (adam.py), or None
-        self.adam = None
-        if one_bit_adam or frozen_variance:
-            self.adam = (AdamMomentumInFront if one_bit_adam else FrozenVarianceAdam)(
-                adam, [variables[i] for i in self.layout.compressed], self.warmup_steps,
-                self._state_variable(StateSpec("adam_variance_steps", (), REPLICATED), None))
-        # dist-EF-SGD's residuals follow the learning rate (_residual_scale): the last step's rate.
-        self.previous_learning_rate = (self._state_variable(StateSpec("previous_learning_rate", (), REPLICATED), None)
-                                       if self.direct_update and self.adam is None else None)
+        self.rule.build(lambda spec: self._state_variable(spec, None))
         self.world = None
         self._plan_world()
         self.built = True
@@ -222,19 +205,23 @@ class GradientExchange(tf.Module):
         callbacks call it): until a step is traced, 1-bit Adam's default warm-up follows the fit's length
         (adam.default_warmup_steps); a warm-up that covers the whole fit is reported before its first step."""
         self.fit_end = end_step
-        if self.built and self._default_warmup is not None and not self.traced:
-            self._choose_warmup()
-            self.adam.warmup_steps = self.warmup_steps
+        if self.built and self.requested_warmup_steps is None and not self.traced and self._choose_warmup():
             self.agreement.replan(self._settings())
         if self.built:
             self._warn_if_the_fit_is_all_warmup()
 
     def _choose_warmup(self):
-        """1-bit Adam's default warm-up for the coming fit (adam.default_warmup_steps), said on rank 0."""
-        self.warmup_steps, self.warmup_source = self._default_warmup(self.fit_end)
+        """The rule's default warm-up for the coming fit (1-bit Adam's: adam.default_warmup_steps), said on rank 0;
+        whether the rule chooses one."""
+        chosen = self.rule.default_warmup(self.fit_end)
+        if chosen is None:
+            return False
+        self.warmup_steps, self.warmup_source = chosen
+        self.rule.warmup_steps = self.warmup_steps
         if hvd.rank() == 0:
             log.info("hvd_compress: %s warms up for %d steps at full precision (%s; warmup_steps= sets it).",
                      self.collective_name, self.warmup_steps, self.warmup_source)
+        return True
 
     def note_fit_end(self, step):
         """After a model.fit, at optimizer step `step`: where plan_fit could not tell before (a fit of unknown
@@ -255,27 +242,7 @@ class GradientExchange(tf.Module):
             log.warning("hvd_compress: %s's warm-up is %d steps at full precision (%s), and %s: every step "
                         "of it sends uncompressed gradients, and nothing is compressed. Give the optimizer "
                         "warmup_steps= fewer steps (None: %.0f%% of the steps model.fit plans, under 1-bit Adam).",
-                        self.collective_name, self.warmup_steps, self.warmup_source, when, 100 * WARMUP_FRACTION)
-
-    def _refuse_unsupported(self, rule, sgd, one_bit_adam, frozen_variance):
-        """At build, before any collective: combinations whose result would be wrong."""
-        if (one_bit_adam or frozen_variance) and self.op != hvd.Average:
-            what = ("exchanges Adam's momentum (1-bit Adam)" if one_bit_adam else
-                    f"with warmup_steps={self.warmup_steps} moves Adam's momentum by the averaged gradient and freezes "
-                    "its variance after the warm-up")
-            raise ValueError(f"{self.compression!r} under Adam {what}, which needs an average: use op=hvd.Average"
-                             f"{'' if one_bit_adam else ' (or warmup_steps=0)'}.")
-        if one_bit_adam and not self.warmup_steps:
-            raise ValueError(f"{self.compression!r} under Adam trains 1-bit Adam, which freezes Adam's variance after "
-                             "a full-precision warm-up; with warmup_steps=0 it stays zero and nothing trains. Give "
-                             "warmup_steps >= 1, or None for the default (the learning rate's warm-up, or 10% of the "
-                             "fit).")
-        if self.recall_totals is not None and self.warmup_steps:
-            raise ValueError("The recall metric is measured for sketched SGD without a warm-up: measure it in a run "
-                             "with warmup_steps=0.")
-        if sgd and rule == EXCHANGE_FEEDBACK and self.warmup_steps:
-            raise ValueError(f"{self.compression!r} under SGD keeps the momentum and the learning rate inside its "
-                             "exchange, which a full-precision warm-up would bypass: use warmup_steps=0 with it.")
+                        self.collective_name, self.warmup_steps, self.warmup_source, when, 100 * adam.WARMUP_FRACTION)
 
     def _in_warmup(self):
         """Whether the coming step travels at full precision (read in the step, and between steps)."""
@@ -304,7 +271,7 @@ class GradientExchange(tf.Module):
         if self.hierarchical:
             hosts.check_hosts_can_be_planned(self.process_set)
             self.hosts = hosts.HostSets()
-            self.exchanges = [exchange.Hierarchical(self.compression, bucket, self.hosts, self.feedback)
+            self.exchanges = [exchange.Hierarchical(self.compression, bucket, self.hosts, self.rule.feeds_back)
                               for bucket in buckets]
         else:
             self.exchanges = [exchange.plan(self.compression, bucket) for bucket in buckets]
@@ -320,10 +287,8 @@ class GradientExchange(tf.Module):
             return new_state(StateSpec(f"{kind}/{i}", self.layout.shapes[i], PER_RANK,
                                        state_dtype(self.variable_dtypes[i])))
 
-        # The worker's side of the update rule: error feedback (and momentum in front); None where
-        # the rule keeps none (the exchange's own, FetchSGD; an unbiased compressor).
-        self.residuals = [per_variable("residual", i) if self.keeps_residual else None for i in self.layout.compressed]
-        self.momenta = [per_variable("momentum", i) for i in self.layout.compressed] if self.keeps_momentum else []
+        self.rule.warmup_steps = self.warmup_steps
+        self.rule.plan(lambda kind: [per_variable(kind, i) for i in self.layout.compressed])
         if self.accumulate:
             self.accumulated = [per_variable("accumulated_gradient", i) for i in range(len(self.variable_ids))]
             self.passes = new_state(StateSpec("accumulated_passes/all", (), PER_RANK, tf.int64))
@@ -370,9 +335,14 @@ class GradientExchange(tf.Module):
         return (f"{self.compression!r} op={self.op} "
                 f"min_compress_size={self.min_compress_size} "
                 f"fusion_threshold_bytes={self.fusion_threshold_bytes} "
-                f"direct_update={self.direct_update} warmup_steps={self.warmup_steps} "
+                f"rule={type(self.rule).__name__} warmup_steps={self.warmup_steps} "
                 f"hierarchical={self.hosts.layout if self.hierarchical else False} "
                 f"variables={[(s, d.name) for s, d in zip(self.layout.shapes, self.variable_dtypes)]}")
+
+    @property
+    def residuals(self):
+        """This rank's residual of each compressed variable (None where its rule keeps none)."""
+        return self.rule.residuals
 
     @property
     def low_rank_q(self):
@@ -439,7 +409,7 @@ class GradientExchange(tf.Module):
 
     def __call__(self, grads, learning_rate=None, momentum=0.0, nesterov=False, step=None):
         """Returns one tensor per variable, in its dtype: a delta to subtract (compressed variables
-        in direct-update mode; an exchange.EncodedPart for exchange.subtract where the bucket's update
+        whose rule takes the step itself; an exchange.EncodedPart for exchange.subtract where the bucket's update
         may stay encoded, `_subtracts_encoded`) or an averaged gradient (everything else); None where the gradient
         is None (zeros travel in its place, and its state is left as it was). step: the optimizer's
         iteration; None (a tape) uses and advances the exchange's own count, `own_steps`."""
@@ -454,12 +424,8 @@ class GradientExchange(tf.Module):
                 step = self.own_steps.read_value()
             elif step is None:  # stateless: no exchange reads the step
                 step = tf.constant(0, tf.int64)
-            sgd_inside = self.direct_update and self.adam is None
-            residual_scale = self._residual_scale(learning_rate) if sgd_inside else None
-            info = exchange.StepInfo(step, learning_rate if sgd_inside else None, momentum if sgd_inside else 0.0,
-                                     nesterov, residual_scale=residual_scale)
+            info = self.rule.begin(step, learning_rate, momentum, nesterov)
             absent = {i for i, g in enumerate(grads) if g is None}
-            variance_steps = self.adam.count_variance_steps(step) if self.adam is not None else None
             with tf.control_dependencies(state.check_world(*self.world, self.process_set)):
                 grads = [tf.identity(g) for g in self.prepare(grads)]
             out = list(grads)
@@ -469,56 +435,46 @@ class GradientExchange(tf.Module):
             if self.monitor is not None:
                 self.monitor.observe(grads)
             for bucket, ex, own in zip(self.layout.buckets, self.exchanges, self.exchange_state):
-                parts = [tf.reshape(tf.zeros(self.layout.shapes[i]) if i in absent else self._error_fed(
-                    i, grads[i], learning_rate, momentum, nesterov, residual_scale, step), [self.layout.sizes[i]])
+                parts = [tf.reshape(tf.zeros(self.layout.shapes[i]) if i in absent else self.rule.feed(
+                    self.layout.slot[i], tf.cast(grads[i], tf.float32), info), [self.layout.sizes[i]])
                     for i in bucket]  # (static sizes, whatever shape the gradient arrived with)
                 result = self._run(ex, own, bucket, parts, info)
                 updates = result.update
                 if not self._subtracts_encoded(bucket):
                     updates = exchange.decoded(updates, [int(p.shape[0]) for p in parts])
+                    if self.op == hvd.Sum:
+                        updates = [u * self.process_set.size() for u in updates]
                 residuals = result.residual if result.residual is not None else [None] * len(bucket)
                 for i, residual, update in zip(bucket, residuals, updates):
-                    shape, kept = self.layout.shapes[i], self.residuals[self.layout.slot[i]]
-                    if i not in absent and kept is not None:
-                        with tf.name_scope("hc_state_update"):
-                            kept.assign(tf.reshape(residual, shape))
-                    if isinstance(update, exchange.EncodedPart):  # decoded into the variable by exchange.subtract
-                        out[i] = update
-                    elif self.adam is not None:  # the averaged gradient (warm-up) or momentum -> Adam's step
-                        if i not in absent:  # (else Adam's slots are left as they are, as Keras leaves them)
-                            out[i] = tf.reshape(self.adam.delta(self.layout.slot[i], update, step, learning_rate,
-                                                                variance_steps), shape)
-                    else:
-                        if self.op == hvd.Sum:
-                            update = update * self.process_set.size()
-                        out[i] = tf.cast(tf.reshape(update, shape), self.variable_dtypes[i])
+                    if i in absent:  # its state is left as it was (Adam's slots too, as Keras leaves them)
+                        continue
+                    update = self.rule.finish(self.layout.slot[i], update, residual, info)
+                    out[i] = update if isinstance(update, exchange.EncodedPart) else tf.cast(  # (decoded into the
+                        tf.reshape(update, self.layout.shapes[i]), self.variable_dtypes[i])  # variable: subtract)
             if counted:
                 self.own_steps.assign_add(1)
             return [None if i in absent else g for i, g in enumerate(out)]
 
     def _subtracts_encoded(self, bucket):
         """Whether the bucket's update may reach the optimizer encoded (exchange.EncodedPart), to be
-        decoded straight into its variables: in direct-update mode (the optimizer subtracts it),
-        averaged (hvd.Sum scales it first) and for float32 variables."""
-        return (self.direct_update and self.adam is None and self.op == hvd.Average
+        decoded straight into its variables: where the rule's delta is the update as it stands
+        (`takes_encoded_update`), averaged (hvd.Sum scales it first) and for float32 variables."""
+        return (self.rule.takes_encoded_update and self.op == hvd.Average
                 and all(self.variable_dtypes[i] == tf.float32 for i in bucket))
 
     def _run(self, ex, own_state, bucket, parts, step):
         """Runs one bucket's exchange, stores its new state and masks the worker's momentum where it
         says so; returns its Exchanged."""
         result = ex(parts, own_state, step)
-        if self.keeps_residual and result.residual is None:
+        if self.rule.feeds_back and not self.hierarchical and result.residual is None:
             raise TypeError(f"{type(ex).__name__} returned no residual, and {self.compression!r}'s update rule "
                             f"({self.compression.update_rule}) keeps one: return Exchanged(residual, ...).")
         with tf.name_scope("hc_state_update"):
             for name, value in result.state.items():
                 own_state[name].assign(value)
-        if self.momenta and ex.masks_momentum:  # sketched SGD: zero u where it applied the update
-            if result.applied is None:
-                raise TypeError(f"{type(ex).__name__} masks momentum but its Exchanged says nowhere where the "
-                                f"update was applied: return Exchanged(..., applied=indices).")
-            with tf.name_scope("hc_state_update"):
-                self._zero_momentum_at(bucket, result.applied, self.layout.bucket_size(bucket))
+        if ex.masks_momentum:  # sketched SGD: the worker's momentum is zeroed where it applied the update
+            self.rule.exchange_applied([self.layout.slot[i] for i in bucket], result.applied,
+                                       [self.layout.sizes[i] for i in bucket])
         if self.recall_totals is not None and result.applied is not None:
             self._record_recall(tf.concat(parts, 0), result.applied, ex)
         return result
@@ -555,51 +511,6 @@ class GradientExchange(tf.Module):
         mass = tf.math.divide_no_nan(tf.reduce_sum(in_true * tf.square(tf.gather(summed, applied))),
                                      tf.reduce_sum(tf.square(tf.gather(summed, true))))  # 0 for a zero vector
         self.recall_totals.assign_add(tf.stack([recall, mass, 1.0]))
-
-    def _zero_momentum_at(self, bucket, indices, num_elements):
-        keep = 1.0 - ops.scatter_dense(indices, tf.ones_like(indices, tf.float32), num_elements)
-        offset = 0
-        for i in bucket:
-            size, shape = self.layout.sizes[i], self.layout.shapes[i]
-            m = self.momenta[self.layout.slot[i]]
-            m.assign(m * tf.reshape(keep[offset:offset + size], shape))
-            offset += size
-
-    def _residual_scale(self, learning_rate):
-        """lr / the previous step's lr (1 at the first step), and this step's lr kept as the previous.
-
-        In direct-update mode (dist-EF-SGD, sketched SGD) the residuals hold learning-rate-scaled
-        leftovers (a = lr p + e). The paper leaves them as they are when the rate changes, so after a
-        drop from 0.1 to 0.001 the old-rate leftovers keep leaking into the weights for epochs. Here
-        the worker residuals and the two-way server residual are multiplied by this scale, which is
-        the same as keeping them in gradient units: measured on the digits CNN (docs/algorithms.md,
-        "Residuals follow the learning rate"), 12-14x less movement of the compressed
-        weights in the epoch after a drop, and final accuracy as good or better in 15 of 16 paired runs."""
-        previous = tf.convert_to_tensor(self.previous_learning_rate)  # (a Keras 3 variable has no read_value)
-        scale = tf.where(previous > 0, tf.math.divide_no_nan(learning_rate, previous), 1.0)
-        with tf.control_dependencies([scale]):
-            self.previous_learning_rate.assign(learning_rate)
-        return scale
-
-    def _error_fed(self, i, g, learning_rate, momentum, nesterov, residual_scale, step):
-        """a_i: lr * (Nesterov) momentum + residual_scale * e_i in direct-update mode under SGD, Adam's
-        momentum + e_i under Adam (adam.py), else g_i + e_i; g_i itself where the exchange keeps error and
-        momentum (FetchSGD)."""
-        g = tf.cast(g, tf.float32)
-        e = self.residuals[self.layout.slot[i]]
-        if e is None and self.hierarchical and self.feedback:  # the rule's worker side, feedback on host means
-            e = tf.zeros_like(g)
-        if e is None:
-            return g
-        if self.adam is not None:
-            return self.adam.error_fed(self.layout.slot[i], g, e, step)
-        if not self.direct_update:
-            return g + e
-        m = self.momenta[self.layout.slot[i]]
-        velocity, a = ops.momentum_error_feed(g, m, e, learning_rate, momentum, nesterov, residual_scale)
-        with tf.name_scope("hc_state_update"):
-            m.assign(velocity)
-        return a
 
 
 def check_known_variables(planned_ids, variables, owner):

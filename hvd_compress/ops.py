@@ -24,7 +24,8 @@ REBUILD_HINT = (
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _OP_NAMES = ("BlockSignPack", "BlockSignCompress", "BlockSignUnpack", "BlockSignUnpackMean", "TopKAbs",
              "ScatterDense", "CountSketch", "CountSketchQuery", "HalfPack", "HalfMean", "HalfUnpack",
-             "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed", "ResourceSubtractBlockSignMean",
+             "ZeroAt", "GatherAt", "ScatterMean", "MomentumErrorFeed", "AdamMomentumFeed", "AdamFrozenStep",
+             "ResourceDecayAndSubtract", "ResourceSubtractBlockSignMean",
              "PushSumShare", "HvdCompressBuildInfo")
 
 
@@ -222,6 +223,34 @@ def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov, residual_sca
     Python bool. Returns (m_new, a), each product and sum rounded as TensorFlow's own ops would round it."""
     return library().momentum_error_feed(g, m, e, tf.cast(learning_rate, tf.float32), tf.cast(momentum, tf.float32),
                                          tf.cast(residual_scale, tf.float32), nesterov=bool(nesterov))
+
+
+def adam_momentum_feed(g, m, v, e, beta_1, epsilon):
+    """The worker's side of 1-bit Adam after its warm-up, in one pass over float32 g, m, v (v frozen) and e:
+    a = (m + (g - m) * (1 - beta_1)) / (sqrt(v) + epsilon) + e, rounded as TensorFlow's own ops would round it.
+    beta_1: a Python float (1 - beta_1 is taken in float64, then rounded, as a TensorFlow expression does);
+    epsilon: a float32 scalar."""
+    return library().adam_momentum_feed(g, m, v, e, tf.constant(1.0 - beta_1, tf.float32),
+                                        tf.cast(epsilon, tf.float32))
+
+
+def adam_frozen_step(mean, m, v, alpha, beta_1, epsilon, momentum_exchanged):
+    """The receiving side of Adam with its variance v frozen, in one pass over float32 mean, m and v, with
+    d = sqrt(v) + epsilon. momentum_exchanged (1-bit Adam: the mean is of m / d): m_new = mean d, delta = mean alpha;
+    else (the mean is a gradient) m_new = m + (mean - m)(1 - beta_1), delta = m_new alpha / d. Returns
+    (m_new, delta), delta what the variable loses, rounded as TensorFlow's own ops would round them."""
+    return library().adam_frozen_step(mean, m, v, tf.cast(alpha, tf.float32), tf.constant(1.0 - beta_1, tf.float32),
+                                      tf.cast(epsilon, tf.float32), momentum_exchanged=bool(momentum_exchanged))
+
+
+def decay_and_subtract(variable, delta, decay):
+    """variable = (variable - variable * decay) - delta, in place, in one pass over a float32 resource variable
+    (decay: a float32 scalar, AdamW's weight decay times the learning rate, 0 for none): the bits of Keras's
+    decoupled weight decay and assign_sub. Returns the op (no output)."""
+    if tf.as_dtype(variable.dtype) != tf.float32:
+        raise TypeError(f"decay_and_subtract updates float32 variables only, got {tf.as_dtype(variable.dtype).name}.")
+    return library().resource_decay_and_subtract(variable.handle, tf.reshape(tf.cast(delta, tf.float32), [-1]),
+                                                 tf.cast(decay, tf.float32))
 
 
 def zero_at(parts, indices):

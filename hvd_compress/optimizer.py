@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, state
+from hvd_compress import exchange, ops, state
 from hvd_compress.compression import Compression
 from hvd_compress.compressor import MOMENTUM_IN_FRONT
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
@@ -137,8 +137,7 @@ class _DistributedOptimizerMixin(WrapperCore):
     def _hc_build_exchange(self, var_list):
         self._hc_exchange.accumulate = self._hc_backward_passes > 1
         self._hc_exchange.build(
-            list(var_list), holder=self, sgd=isinstance(self, sgd_classes()),
-            adam=self if isinstance(self, adam_classes()) else None,
+            list(var_list), holder=self, optimizer=self,
             new_replicated=lambda spec: self.add_variable(
                 spec.shape, dtype=spec.dtype, initializer=lambda shape, dtype: spec.initial_value(),
                 name=f"hc_{safe_name(spec.name)}"))
@@ -204,7 +203,7 @@ class _DistributedOptimizerMixin(WrapperCore):
 
     def _hc_apply(self, grads, variables):
         """grads, variables: in the planned order, None for those left alone this step."""
-        direct = self._hc_exchange.direct_update
+        direct = self._hc_exchange.rule.applies_step  # the rule subtracts its own deltas: Keras's apply is skipped
         grads = self._hc_clip(grads)
         results = self._hc_exchange(
             grads, learning_rate=tf.cast(self._hc_learning_rate(), tf.float32) if direct else None,
@@ -216,9 +215,8 @@ class _DistributedOptimizerMixin(WrapperCore):
         passed_on = [(r, v) for i, r, v in applied if i not in compressed]
         if deltas:
             with tf.name_scope("hc_state_update"):
-                self._apply_weight_decay([v for _, v in deltas])
                 for delta, v in deltas:
-                    exchange.subtract(v, delta)  # an EncodedPart is decoded straight into v
+                    self._hc_take_step(v, delta)
                     if v.constraint is not None:
                         v.assign(v.constraint(v))
         if not passed_on:
@@ -228,6 +226,17 @@ class _DistributedOptimizerMixin(WrapperCore):
         if decompressed:
             self._hc_check_finite(decompressed)
         return iteration
+
+    def _hc_take_step(self, variable, delta):
+        """x -= delta after Keras's decoupled weight decay (x -= x wd lr where the optimizer decays x): one pass
+        (ops.decay_and_subtract) for a float32 variable and a dense delta; else Keras's decay, then exchange.subtract
+        (an EncodedPart is decoded straight into the variable)."""
+        if isinstance(delta, exchange.EncodedPart) or tf.as_dtype(variable.dtype) != tf.float32:
+            self._apply_weight_decay([variable])
+            return exchange.subtract(variable, delta)
+        decays = self.weight_decay is not None and self._use_weight_decay(variable)
+        rate = tf.cast(self.weight_decay, tf.float32) * tf.cast(self.learning_rate, tf.float32) if decays else 0.0
+        return ops.decay_and_subtract(variable, delta, rate)
 
     def _hc_check_finite(self, variables):
         """After the wrapped optimizer applied decompressed gradients, at its first step and every

@@ -403,6 +403,10 @@ def test_ops_have_no_gradient():
      tf.errors.InvalidArgumentError, "one shape"),
     (lambda: ops.momentum_error_feed(tf.ones([4]), tf.ones([4]), tf.ones([4]), [0.1, 0.2], 0.9, False),
      tf.errors.InvalidArgumentError, "lr, momentum and residual_scale must be scalars"),
+    (lambda: ops.adam_momentum_feed(tf.ones([4]), tf.ones([4]), tf.ones([5]), tf.ones([4]), 0.9, 1e-7),
+     tf.errors.InvalidArgumentError, "input 2 has shape \\[5\\].*must have one shape"),
+    (lambda: ops.adam_frozen_step(tf.ones([4]), tf.ones([4]), tf.ones([4]), [1.0, 2.0], 0.9, 1e-7, True),
+     tf.errors.InvalidArgumentError, "input 3 must be a scalar"),
     (lambda: ops.push_sum_share([tf.ones([4]), tf.ones([2])], 1.0, 2, before=[tf.ones([4])]),
      tf.errors.InvalidArgumentError, "no `before` or one per value: got 1 for 2 values"),
     (lambda: ops.push_sum_share([tf.ones([4]), tf.ones([2, 2])], 1.0, 2, before=[tf.ones([4]), tf.ones([4])]),
@@ -566,6 +570,52 @@ def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, s
     _, a_of_tensor = ops.momentum_error_feed(tf.constant(g), m, e, lr, tf.constant(momentum), nesterov,
                                              tf.constant(scale))
     np.testing.assert_array_equal(a_of_tensor.numpy(), want_a)
+
+
+@SETTINGS
+@given(n=st.integers(0, 3 * ref.KCHUNK + 5), beta_1=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+       epsilon=st.sampled_from([1e-7, 1e-3]), momentum_exchanged=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_fused_adam_kernels_match_numpy_and_the_tensorflow_ops(n, beta_1, epsilon, momentum_exchanged, seed):
+    """1-bit Adam's worker side and the receiving side of Adam with a frozen variance, each one pass, round as NumPy's
+    float32 and as the TensorFlow ops they replace (hvd_compress/adam.py before them)."""
+    rng = np.random.default_rng(seed)
+    g, m, e, mean = (rng.standard_normal(n).astype(np.float32) * np.float32(s) for s in (1, 0.3, 1e-3, 0.5))
+    v = np.abs(rng.standard_normal(n).astype(np.float32)) * np.float32(1e-4)
+    v[: n // 7] = 0  # coordinates that never had a gradient: d = epsilon
+    alpha, b1, eps = np.float32(rng.uniform(1e-4, 1e-2)), np.float32(1.0 - beta_1), np.float32(epsilon)
+    d = np.sqrt(v) + eps
+    a = ops.adam_momentum_feed(tf.constant(g), m, v, e, beta_1, epsilon)
+    np.testing.assert_array_equal(a.numpy(), (m + (g - m) * b1) / d + e)
+    tf_d = tf.sqrt(tf.constant(v)) + tf.cast(epsilon, tf.float32)
+    np.testing.assert_array_equal(a.numpy(), ((m + (g - m) * (1.0 - beta_1)) / tf_d + e).numpy())
+    m_new, delta = ops.adam_frozen_step(tf.constant(mean), m, v, alpha, beta_1, epsilon, momentum_exchanged)
+    if momentum_exchanged:
+        want_m, want_delta = mean * d, mean * alpha
+        tf_m, tf_delta = mean * tf_d, mean * alpha
+    else:
+        want_m = m + (mean - m) * b1
+        want_delta = (want_m * alpha) / d
+        tf_m = tf.constant(m) + (mean - m) * (1.0 - beta_1)
+        tf_delta = (tf_m * alpha) / tf_d
+    for got, want, tf_want in ((m_new, want_m, tf_m), (delta, want_delta, tf_delta)):
+        np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_array_equal(got.numpy(), np.asarray(tf_want))
+
+
+@pytest.mark.parametrize("decay", [0.0, 1e-5])
+def test_decay_and_subtract_is_kerass_weight_decay_and_assign_sub_in_place(decay):
+    """The step of a variable whose rule hvd_compress applies: the bits of x - x * (wd lr) and assign_sub, in place."""
+    rng = np.random.default_rng(11)
+    x0, delta = (rng.standard_normal(3 * ref.KCHUNK + 5).astype(np.float32) for _ in range(2))
+    x = tf.Variable(x0)
+    held = tf.convert_to_tensor(x)  # a read that still holds the buffer: the op copies it first
+    ops.decay_and_subtract(x, delta, decay)
+    np.testing.assert_array_equal(x.numpy(), (x0 - x0 * np.float32(decay)) - delta)
+    np.testing.assert_array_equal(held.numpy(), x0)
+    with pytest.raises(TypeError, match="float32 variables only"):
+        ops.decay_and_subtract(tf.Variable(tf.zeros([3], tf.float16)), tf.zeros([3]), decay)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="delta has 2 elements and the variable 3"):
+        ops.decay_and_subtract(tf.Variable(tf.zeros([3])), tf.zeros([2]), decay)
 
 
 def tf_share(values, w, parts, before=None):

@@ -19,6 +19,7 @@
 #include "cores.h"
 #include "status.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
 
@@ -35,6 +36,18 @@ inline void ParallelFor(OpKernelContext* ctx, int64_t total,
   const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
   tensorflow::Shard(workers.num_threads, workers.workers, total, cost_per_unit,
                     [&work](int64_t begin, int64_t end) { work(begin, end); });
+}
+
+// Before an in-place update of a float32 variable whose lock the caller holds: gives it a buffer of its own where a
+// read still holds the current one (the read keeps the value it read).
+inline absl::Status OwnBuffer(OpKernelContext* ctx, tensorflow::Var* var) {
+  Tensor* v = var->tensor();
+  if (!var->copy_on_read_mode.load() && v->RefCountIsOne()) return absl::OkStatus();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_FLOAT, v->shape(), &copy));
+  std::memcpy(copy.flat<float>().data(), v->flat<float>().data(), v->NumElements() * sizeof(float));
+  *v = copy;
+  return absl::OkStatus();
 }
 
 // Checks that `bounds` is an int64 vector [0 = b_0 < b_1 < ... < b_B = n]

@@ -8,6 +8,7 @@
 #ifndef HVD_COMPRESS_TF_OPS_CORES_H_
 #define HVD_COMPRESS_TF_OPS_CORES_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -151,6 +152,33 @@ HC_HOST_DEVICE inline void MomentumErrorFeedAt(float grad, float m, float e, flo
   *m_new = velocity;
   *a = lr * (nesterov ? mu * velocity + grad : velocity) + residual_scale * e;
 }
+
+// ---- Adam with its variance frozen after a warm-up (Tang et al. 2021, 1-bit Adam), one element ----
+// d = sqrt(v) + eps, v frozen. The worker's side of 1-bit Adam: a = (m + (g - m) * (1 - b1)) / d + e, this rank's
+// momentum over d plus its residual.
+HC_HOST_DEVICE inline float AdamMomentumFeedAt(float grad, float m, float v, float e, float one_minus_beta_1,
+                                               float epsilon) {
+  return (m + (grad - m) * one_minus_beta_1) / (sqrtf(v) + epsilon) + e;
+}
+
+// The receiving side, from the exchanged mean D: where the momentum over d was exchanged (1-bit Adam),
+// m' = D d and delta = D alpha; where gradients were (Adam with a frozen variance), m' = m + (D - m) * (1 - b1) and
+// delta = (m' alpha) / d. delta is what the variable loses.
+HC_HOST_DEVICE inline void AdamFrozenStepAt(float mean, float m, float v, float alpha, float one_minus_beta_1,
+                                            float epsilon, bool momentum_exchanged, float* m_new, float* delta) {
+  const float d = sqrtf(v) + epsilon;
+  if (momentum_exchanged) {
+    *m_new = mean * d;
+    *delta = mean * alpha;
+  } else {
+    const float momentum = m + (mean - m) * one_minus_beta_1;
+    *m_new = momentum;
+    *delta = (momentum * alpha) / d;
+  }
+}
+
+// The variable's step: x' = (x - x * decay) - delta (decay: weight decay times the learning rate, Keras's AdamW order).
+HC_HOST_DEVICE inline float DecayAndSubtractAt(float x, float delta, float decay) { return (x - x * decay) - delta; }
 
 // ---- Top-k sparsification (Aji & Heafield 2017; Stich et al. 2018): TopKAbs's keys and tie rule ----
 // TopKAbs takes the k largest AbsKey(x) of its input, ties at the k-th key to the lower index, in index order.

@@ -68,6 +68,22 @@ inline absl::Status MomentumErrorFeedInputs(const Tensor& g, const Tensor& m, co
   return absl::OkStatus();
 }
 
+// The Adam ops' inputs: `count` tensors of one shape, then scalars from input `count` on.
+inline absl::Status SameShapesThenScalars(tensorflow::OpKernelContext* ctx, int count) {
+  for (int i = 1; i < count; ++i) {
+    if (ctx->input(i).shape() != ctx->input(0).shape()) {
+      return InvalidArgument("input ", i, " has shape ", ctx->input(i).shape().DebugString(), ", and input 0 ",
+                             ctx->input(0).shape().DebugString(), ": the tensors must have one shape");
+    }
+  }
+  for (int i = count; i < ctx->num_inputs(); ++i) {
+    if (ctx->input(i).dims() != 0) {
+      return InvalidArgument("input ", i, " must be a scalar, got shape ", ctx->input(i).shape().DebugString());
+    }
+  }
+  return absl::OkStatus();
+}
+
 // HalfUnpack's attributes: one dtype per size, sizes >= 0.
 inline absl::Status HalfUnpackAttrs(tensorflow::OpKernelConstruction* ctx, std::vector<int64_t>* sizes,
                                     std::vector<tensorflow::DataType>* dtypes) {

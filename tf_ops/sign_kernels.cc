@@ -336,12 +336,7 @@ class ResourceSubtractBlockSignMeanOp : public OpKernel {
     Tensor* v = var->tensor();
     OP_REQUIRES_OK(ctx, checks::SubtractTarget(*v, offset, n));
     const int64_t size = v->NumElements();
-    if (var->copy_on_read_mode.load() || !v->RefCountIsOne()) {  // a read still holds the buffer
-      Tensor copy;
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, v->shape(), &copy));
-      std::memcpy(copy.flat<float>().data(), v->flat<float>().data(), size * sizeof(float));
-      *v = copy;
-    }
+    OP_REQUIRES_OK(ctx, OwnBuffer(ctx, var.get()));
     if (size == 0) return;
     const uint8_t* bits = bits_tensor.flat<uint8_t>().data();
     const int64_t num_bytes = (n + 7) / 8;

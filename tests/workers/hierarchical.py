@@ -272,7 +272,7 @@ def rules():
              "quantize 8 bits rounded without feedback": ("quantize", hc.Compression.quantize(
                  stochastic=False, error_feedback=False)),
              "none": ("none", hc.Compression.none), "fp16": ("fp16", hc.Compression.fp16)}
-    adam = {"1-bit Adam two-way": (hc.Compression.onebit(), 0.0),
+    adam = {"1-bit Adam two-way": (hc.Compression.onebit(block_size=None, two_way=True), 0.0),
             "1-bit AdamW one-way blocks": (hc.Compression.onebit(block_size=64, two_way=False), 0.05)}
     sketches = {"sketch": hc.Compression.sketch(ratio=6, seed=5),
                 "fetchsgd": hc.Compression.sketch(ratio=6, mode="fetchsgd", seed=5)}
