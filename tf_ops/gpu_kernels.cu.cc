@@ -99,6 +99,19 @@ int CopyOnDevice(void* dst, const void* src, size_t bytes, hc_stream stream) {
   return bytes == 0 ? 0 : cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
 }
 
+// Before an in-place update of a float32 variable whose lock the caller holds: gives it a device buffer of its own
+// where a read still holds the current one (blocks.h's OwnBuffer, on the device).
+absl::Status OwnDeviceBuffer(OpKernelContext* ctx, tensorflow::Var* var) {
+  Tensor* v = var->tensor();
+  if (!var->copy_on_read_mode.load() && v->RefCountIsOne()) return absl::OkStatus();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_FLOAT, v->shape(), &copy));
+  TF_RETURN_IF_ERROR(CudaStatus(ctx, CopyOnDevice(copy.data(), v->data(), v->TotalBytes(), StreamOf(ctx)),
+                                "CopyOnDevice"));
+  *v = copy;
+  return absl::OkStatus();
+}
+
 int FirstOutOfRange(const int32_t* indices, int64_t k, int64_t n, int64_t* first, hc_stream stream) {
   return hc_first_out_of_range_i32(indices, k, n, first, stream);
 }
@@ -321,12 +334,7 @@ class ResourceSubtractBlockSignMeanGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, checks::SubtractTarget(*v, offset, n));
     const int64_t size = v->NumElements();
     const hc_stream stream = StreamOf(ctx);
-    if (var->copy_on_read_mode.load() || !v->RefCountIsOne()) {  // a read still holds the buffer
-      Tensor copy;
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, v->shape(), &copy));
-      HC_LAUNCH(ctx, CopyOnDevice, copy.data(), v->data(), v->TotalBytes(), stream);
-      *v = copy;
-    }
+    OP_REQUIRES_OK(ctx, OwnDeviceBuffer(ctx, var.get()));
     if (size == 0) return;
     Tensor device_bounds;
     OP_REQUIRES_OK(ctx, CopyToDevice(ctx, bounds, &device_bounds));
@@ -390,6 +398,85 @@ REGISTER_KERNEL_BUILDER(Name("MomentumErrorFeed")
                             .HostMemory("momentum")
                             .HostMemory("residual_scale"),
                         MomentumErrorFeedGpuOp);
+
+// ---------------------------------------------------------------------------
+// Adam with a frozen variance (adam_ops.cc; CPU: adam_kernels.cc): an output takes over an input's buffer when
+// nothing else holds it.
+
+class AdamMomentumFeedGpuOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, checks::SameShapesThenScalars(ctx, 4));
+    const Tensor& g = ctx->input(0);
+    Tensor* a = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 3}, 0, g.shape(), &a));
+    HC_LAUNCH(ctx, hc_adam_momentum_feed, Ptr<const float>(g), Ptr<const float>(ctx->input(1)),
+              Ptr<const float>(ctx->input(2)), Ptr<const float>(ctx->input(3)), g.NumElements(),
+              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), Ptr<float>(*a), StreamOf(ctx));
+  }
+};
+
+class AdamFrozenStepGpuOp : public OpKernel {
+ public:
+  explicit AdamFrozenStepGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum_exchanged", &momentum_exchanged_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, checks::SameShapesThenScalars(ctx, 3));
+    const Tensor& mean = ctx->input(0);
+    Tensor *m_new = nullptr, *delta = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, mean.shape(), &m_new));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 1, mean.shape(), &delta));
+    HC_LAUNCH(ctx, hc_adam_frozen_step, Ptr<const float>(mean), Ptr<const float>(ctx->input(1)),
+              Ptr<const float>(ctx->input(2)), mean.NumElements(), ctx->input(3).scalar<float>()(),
+              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), momentum_exchanged_ ? 1 : 0,
+              Ptr<float>(*m_new), Ptr<float>(*delta), StreamOf(ctx));
+  }
+
+ private:
+  bool momentum_exchanged_;
+};
+
+class ResourceDecayAndSubtractGpuOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& delta = ctx->input(1);
+    const Tensor& decay = ctx->input(2);
+    OP_REQUIRES(ctx, decay.dims() == 0,
+                InvalidArgument("decay must be a scalar, got shape ", decay.shape().DebugString()));
+    tensorflow::core::RefCountPtr<tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    tensorflow::mutex_lock lock(*var->mu());
+    Tensor* v = var->tensor();
+    OP_REQUIRES(ctx, v->IsInitialized() && v->dtype() == tensorflow::DT_FLOAT,
+                InvalidArgument("variable must be an initialized float32 variable, got ",
+                                tensorflow::DataTypeString(v->dtype())));
+    OP_REQUIRES(ctx, delta.NumElements() == v->NumElements(),
+                InvalidArgument("delta has ", delta.NumElements(), " elements and the variable ", v->NumElements()));
+    OP_REQUIRES_OK(ctx, OwnDeviceBuffer(ctx, var.get()));
+    HC_LAUNCH(ctx, hc_decay_and_subtract, Ptr<float>(*v), Ptr<const float>(delta), v->NumElements(),
+              decay.scalar<float>()(), StreamOf(ctx));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("AdamMomentumFeed")
+                            .Device(DEVICE_GPU)
+                            .HostMemory("one_minus_beta_1")
+                            .HostMemory("epsilon"),
+                        AdamMomentumFeedGpuOp);
+REGISTER_KERNEL_BUILDER(Name("AdamFrozenStep")
+                            .Device(DEVICE_GPU)
+                            .HostMemory("alpha")
+                            .HostMemory("one_minus_beta_1")
+                            .HostMemory("epsilon"),
+                        AdamFrozenStepGpuOp);
+REGISTER_KERNEL_BUILDER(Name("ResourceDecayAndSubtract").Device(DEVICE_GPU).HostMemory("decay"),
+                        ResourceDecayAndSubtractGpuOp);
 
 // ---------------------------------------------------------------------------
 // fp16 exchange (half_ops.cc; CPU: half_kernels.cc).

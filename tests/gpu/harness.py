@@ -21,8 +21,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "benchmarks")
 import kernels  # noqa: E402
 import results  # noqa: E402
 
-FAMILIES = ["check_sign", "check_feedback", "check_half", "check_topk", "check_quantize", "check_sketch",
-            "check_pushsum"]
+FAMILIES = ["check_sign", "check_feedback", "check_adam", "check_half", "check_topk", "check_quantize",
+            "check_sketch", "check_pushsum"]
 
 flags.DEFINE_string("out", "results/gpu_kernels.json", "Where the results go (JSON).")
 flags.DEFINE_string("library", None, "A built kernel library to use (default: build tf_ops/gpu/*.cu with nvcc).")
