@@ -185,7 +185,7 @@ class OneBitAdam(FrozenVarianceAdam):
                              "fit).")
 
     @classmethod
-    def settle(cls, compression, world_size):
+    def settle(cls, compression):
         """A scale per 256 elements and the one-way exchange, for the arguments left out: on the transformer under
         AdamW (2 ranks, 3 seeds; docs/algorithms.md, "Which compression under which optimizer")
         onebit(block_size=256, two_way=False) ended 0.29 point below AdamW, onebit's SGD defaults (a scale per

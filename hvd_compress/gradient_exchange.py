@@ -166,12 +166,8 @@ class GradientExchange(tf.Module):
         self.variable_ids = [id(v) for v in variables]
         self.variable_names = [variable_name(v) for v in variables]
         self.variable_dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        self.settle(optimizer)
         rule_class = rules.choose(self.compression.update_rule, optimizer, self.requested_warmup_steps)
-        settled = rule_class.settle(self.compression, self.process_set.size())
-        if settled is not self.compression and hvd.rank() == 0:
-            log.info("hvd_compress: under %s, %r trains as %r (the defaults measured best there; give the arguments to "
-                     "choose others).", rule_class.__name__, self.compression, settled)
-        self.compression = settled
         self.layout = Layout(variables, self.compression, self.min_compress_size,
                              self.fusion_threshold_bytes if getattr(self.compression, "fuses_tensors", True) else 1)
         object.__setattr__(self, "rule", rule_class(optimizer, [variables[i] for i in self.layout.compressed],
@@ -199,6 +195,17 @@ class GradientExchange(tf.Module):
         self._plan_world()
         self.built = True
         self._warn_if_the_fit_is_all_warmup()
+
+    def settle(self, optimizer):
+        """The compression this exchange trains with under `optimizer` (None: a tape): the user's, with its worker
+        rule's measured defaults for the arguments left out (rules.WorkerRule.settle). DistributedOptimizer settles
+        when it wraps, so the compression is the same before the first step, after it and in model files."""
+        settled = rules.choose(self.compression.update_rule, optimizer, self.requested_warmup_steps).settle(
+            self.compression)
+        if settled is not self.compression and (not hvd.is_initialized() or hvd.rank() == 0):
+            log.info("hvd_compress: under %s, %r trains as %r (the defaults measured best there; give the arguments "
+                     "to choose others).", type(optimizer).__name__, self.compression, settled)
+        self.compression = settled
 
     def plan_fit(self, end_step):
         """Before the first step of a model.fit that ends at optimizer step `end_step` (None: unknown; hvd_compress's

@@ -322,6 +322,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                  sparse_as_dense, min_compress_size, fusion_threshold_bytes,
                                  name=name or f"hc.{type(optimizer).__name__}", warmup_steps=warmup_steps,
                                  hierarchical=hierarchical)
+    exchange_.settle(optimizer)  # (before the settings model files save)
     if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
         raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
     refuse_sparse_updates_to_factored_moments(optimizer, exchange_.compression)

@@ -16,7 +16,7 @@ A rule (WorkerRule):
   averaged gradient or, where `applies_step`, the delta it subtracts from the variable (the wrapped optimizer's own
   apply is then not run for that variable);
 - `check(...)`: refuses, at build and before any collective, settings under which it would train wrong;
-- `settle(compression, world_size)`: the defaults measured best under the rule, for the compressor's arguments the
+- `settle(compression)`: the defaults measured best under the rule, for the compressor's arguments the
   user left out (1-bit Adam's block size and exchange).
 
 The rules here (adam.py holds 1-bit Adam and Adam with a frozen variance):
@@ -90,7 +90,7 @@ class WorkerRule:
         raise NotImplementedError
 
     @classmethod
-    def settle(cls, compression, world_size):
+    def settle(cls, compression):
         """The compression this rule trains with: the user's, with the defaults measured best under this rule for
         the arguments left out (Compressor.with_defaults)."""
         return compression

@@ -169,7 +169,7 @@ def compression(method, **overrides):
     return hc.methods.compression(method, **{**SMALL_MODEL.get(method, {}), **overrides})
 
 
-def distributed_optimizer(sgd, method, chosen=None, **kwargs):
+def distributed_optimizer(sgd, method, chosen=None, warmup_steps=ADAMW_WARMUP, **kwargs):
     """hc.DistributedOptimizer(sgd) with the method's compression (or `chosen`); for a method of ADAMW_METHODS,
     an AdamW with sgd's clipping in sgd's place (and the warm-up). kwargs: the wrapper's."""
     import hvd_compress as hc
@@ -179,4 +179,4 @@ def distributed_optimizer(sgd, method, chosen=None, **kwargs):
     config = sgd.get_config()
     clipping = {k: config[k] for k in ("clipnorm", "clipvalue", "global_clipnorm") if config.get(k) is not None}
     adamw = hc.keras_compat.keras_of(sgd).optimizers.AdamW(ADAMW_LEARNING_RATE, weight_decay=0.004, **clipping)
-    return hc.DistributedOptimizer(adamw, compression=chosen, warmup_steps=ADAMW_WARMUP, **kwargs)
+    return hc.DistributedOptimizer(adamw, compression=chosen, warmup_steps=warmup_steps, **kwargs)

@@ -177,7 +177,8 @@ def main(_):
             method, fmt = case.split("/")
             before = len(lines.lines)
             results[case] = resume(method, fmt, keras, data, work / method, saved.get(method, {"saved_state": None}))
-            # what the resume said of its state (not the compression 1-bit Adam's defaults settle on, said at build)
+            # what the resume said of its state (not the compression onebit() settles on under AdamW, said when a
+            # resume that makes its optimizer anew wraps it)
             results[case]["logged"] = [line for line in lines.lines[before:] if " trains as " not in line]
     report(hvd, results=results, size=hvd.size())
 
