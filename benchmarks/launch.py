@@ -78,6 +78,13 @@ def launched(launcher):
             "mpi": "launched with mpirun (Horovod's collectives over Open MPI)"}[launcher]
 
 
+def allocator_note(row):
+    """A run's CPU allocator, in words, for a table's note (rows from before the allocator was recorded: the
+    default)."""
+    return ("TensorFlow's BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=1)"
+            if row.get("tf_cpu_allocator") == "bfc" else "TensorFlow's default CPU allocator")
+
+
 def table_suffix(row):
     """The suffix of a published table's name: "_mpi" for a run launched with MPI (its tables stand beside the
     Gloo launch's), then "_bfc" for a run with TensorFlow's BFC allocator on the CPU (run_in_namespaces), then
@@ -107,15 +114,15 @@ def text_mlp(keras, vocab_size, hidden=TEXT_HIDDEN):
 
 
 def _run_for_json(script, ranks, flags, json_flag, env, timeout, launcher="gloo"):
-    """Runs `script <flags> --<json_flag>=<file>` on `ranks` local ranks launched with Gloo or MPI; the JSON
-    rank 0 wrote."""
+    """Runs `script <flags> --<json_flag>=<file>` on `ranks` local ranks launched with Gloo or MPI, with the BFC
+    allocator unless the environment names one (TF_CPU_ALLOCATORS); the JSON rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         output = pathlib.Path(tmp) / "output.json"
         horovodrun = pathlib.Path(sys.executable).with_name("horovodrun")
         cmd = [str(horovodrun), "-np", str(ranks), "-H", f"localhost:{ranks}", f"--{launcher}", sys.executable,
                str(script), *flags, f"--{json_flag}={output}"]
-        subprocess.run(cmd, check=True, timeout=timeout, env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
+        subprocess.run(cmd, check=True, timeout=timeout, env={**allocator_env("bfc"), **os.environ, **env},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         return json.loads(output.read_text())
 
 
@@ -190,11 +197,22 @@ MPI_TCP_FLAGS = "send,inplace,need-ack,need-csum"
 #: without, in two runs of each, alternated; Horovod's fp32 allreduce, whose MPI calls block and progress
 #: themselves, took 2,323 and 2,309 ms with it against 2,260 and 2,113 without, so its jobs keep the default.
 MPI_POINT_TO_POINT_MCA = ("btl_tcp_progress_thread", "1")
-#: TensorFlow's CPU allocators run_in_namespaces can give the ranks
-TF_CPU_ALLOCATORS = ("default", "bfc")
+#: TensorFlow's CPU allocators a benchmark can give its processes. bfc (TF_CPU_ALLOCATOR_USE_BFC=1) keeps the
+#: memory of its tensors and reuses it; TensorFlow's default takes every large tensor's memory afresh from the
+#: kernel, which faults in each page. bfc is the benchmarks' default: on a 2-core AMD EPYC the 25M MLP's SGD
+#: step without exchange took 878 ms with the default allocator and 434 with bfc (2 ranks), and a pass over a
+#: 100 MB tensor 90 against 20 ms (docs/benchmarks.md, "The CPU allocator").
+TF_CPU_ALLOCATORS = ("bfc", "default")
 
 
-def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gloo", tf_cpu_allocator="default",
+def allocator_env(tf_cpu_allocator):
+    """The environment that gives a TensorFlow process this CPU allocator (TF_CPU_ALLOCATORS)."""
+    if tf_cpu_allocator not in TF_CPU_ALLOCATORS:
+        raise ValueError(f"tf_cpu_allocator must be one of {TF_CPU_ALLOCATORS}, got {tf_cpu_allocator!r}.")
+    return dict(TF_CPU_ALLOCATOR_USE_BFC=str(int(tf_cpu_allocator == "bfc")))
+
+
+def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gloo", tf_cpu_allocator="bfc",
                       point_to_point=False):
     """Runs `argv --result=<dir>/rank{rank}.json` as every rank of net (a netns.Network), each in its host's
     namespace under its host's name; returns the JSON each rank wrote (to the path with {rank} filled in),
@@ -215,21 +233,18 @@ def run_in_namespaces(net, argv, timeout, what, inter_op_threads=1, launcher="gl
 
     Every rank gets an equal share of the CPU cores for TensorFlow's intra-op threads, and
     `inter_op_threads` threads to run independent ops at once (with one, TensorFlow runs the backward pass
-    to its end before any exchange op: docs/architecture.md, "Buckets and overlap"). tf_cpu_allocator="bfc"
-    sets TF_CPU_ALLOCATOR_USE_BFC=1: TensorFlow then keeps the CPU memory of its tensors and reuses it,
-    where its default allocator takes every large tensor's memory afresh from the kernel, which faults in
-    each page (a pass over a 100 MB tensor: 90 ms here, 20 ms with it). All ranks are killed
+    to its end before any exchange op: docs/architecture.md, "Buckets and overlap"), and TensorFlow's CPU
+    allocator `tf_cpu_allocator` (allocator_env; TF_CPU_ALLOCATORS says why bfc). All ranks are killed
     at the first failure or after `timeout` seconds, and the error carries the end of their logs; `what`
     names the job in it.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}.")
-    if tf_cpu_allocator not in TF_CPU_ALLOCATORS:
-        raise ValueError(f"tf_cpu_allocator must be one of {TF_CPU_ALLOCATORS}, got {tf_cpu_allocator!r}.")
+    allocator = allocator_env(tf_cpu_allocator)
     n = net.num_ranks
     env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(max(1, (os.cpu_count() or 1) // n)),
                TF_NUM_INTEROP_THREADS=str(inter_op_threads), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC=str(int(tf_cpu_allocator == "bfc")))
+               TF_CPP_MIN_LOG_LEVEL="2", **allocator)
     procs = []
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         tmp = pathlib.Path(tmp)

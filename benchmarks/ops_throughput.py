@@ -2,8 +2,12 @@
 
     .venv/bin/python benchmarks/ops_throughput.py [--sizes=1M,16M,64M] [--repeats=7]
 
-Every figure is GB/s of float32 input (n * 4 bytes / median time), so a
-number near the copy's means the op runs at memory bandwidth. "stock TF" is
+Every figure is GB/s of float32 input (n * 4 bytes / median time). A copy reads n floats
+and writes n; a fused kernel reads and writes more (momentum_error_feed reads g, m and e
+and writes m and a: five streams of n floats), so beside that table a second one gives each
+fused kernel's memory traffic, the bytes it must read and write at least (TRAFFIC, in streams
+of n floats), per second, as a fraction of a copy's (two streams) in the same run: a fraction
+near 1 means the kernel runs at the machine's memory bandwidth. "stock TF" is
 the same computation written with tf.sign/floor/cast/reshape/reduce ops, the way
 pure-Python compression plugins do it. Writes results/ops_throughput.json and
 prints a markdown table.
@@ -125,6 +129,24 @@ def stock_quantize_decode_mean(packed, scales, offsets, n, bits, block):
     return tf.reduce_mean(tf.stack(decoded), 0)
 
 
+#: The fused kernels' least memory traffic, in streams of n floats read or written (a copy: 2). Payloads of R
+#: ranks: R x their size; in place (decay_and_subtract): the variable read and written.
+def traffic(ranks):
+    return {
+        "copy (DeepCopy)": 2,
+        "pack with residual (block_sign_compress)": 1 + 1 / 32 + 1,  # x; the signs, the residual
+        "quantize compress (8 bits, stochastic)": 1 + 1 / 4 + 1,  # x; the codes, the residual
+        "quantize compress (4 bits, stochastic)": 1 + 1 / 8 + 1,
+        f"unpack_mean ({ranks} payloads)": ranks / 32 + 1,
+        f"quantize decode_mean (8 bits, {ranks} payloads)": ranks / 4 + 1,
+        f"quantize decode_mean (4 bits, {ranks} payloads)": ranks / 8 + 1,
+        "momentum_error_feed": 3 + 2,  # g, m, e; m, a
+        "adam_momentum_feed": 4 + 1,  # g, m, v, e; a
+        "adam_frozen_step": 2 + 2,  # the mean, v; m, delta
+        "decay_and_subtract (in place)": 2 + 1,  # x, delta; x
+    }
+
+
 def median_seconds(fn, *args):
     fn(*args)  # trace and warm up
     times = []
@@ -225,7 +247,8 @@ def measure(n):
 def main(_):
     sizes = [parse_size(s) for s in FLAGS.sizes]
     threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
-    figures = {"threads": threads, "gb_per_s": {}, "bfc": os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "1"}
+    figures = {"threads": threads, "gb_per_s": {}, "bfc": os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "1",
+               "ranks": FLAGS.ranks}
     for text, n in zip(FLAGS.sizes, sizes):
         figures["gb_per_s"][text] = measure(n)
         print(f"measured {text} floats", flush=True)
@@ -260,7 +283,22 @@ def render(figures):
     note = f"GB/s of float32 input (n x 4 bytes / median time), {figures['threads']} CPU threads, {allocator}."
     table = results.markdown_table(["op", *sizes],
                                    [[name, *(f"{figures['gb_per_s'][s][name]:.2f}" for s in sizes)] for name in names])
-    return f"{note}\n\n{table}"
+    streams = traffic(figures.get("ranks", 4))
+    fused = [name for name in streams if name in names]
+    traffic_note = ("The fused kernels' memory traffic: the streams of n floats each must read and write at least "
+                    "(a copy: 2), and its traffic per second as a fraction of a copy's at the same size (GB/s of "
+                    "input x streams / the copy's x 2).")
+    traffic_table = results.markdown_table(
+        ["op", "streams", *(f"{s}: of a copy's traffic" for s in sizes)],
+        [[name, f"{streams[name]:.3g}", *(f"{of_copy(figures['gb_per_s'][s], name, streams):.2f}x" for s in sizes)]
+         for name in fused])
+    return f"{note}\n\n{table}\n\n{traffic_note}\n\n{traffic_table}"
+
+
+def of_copy(gb_per_s, name, streams):
+    """The op's memory traffic per second over a copy's, in the same run (gb_per_s: one size's figures)."""
+    copy = "copy (DeepCopy)"
+    return gb_per_s[name] * streams[name] / (gb_per_s[copy] * streams[copy])
 
 
 def publish(figures):

@@ -104,7 +104,7 @@ flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
 flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (horovod_fp32, "
                   "horovod_fp16) run its allreduce and casts on one rank, where it otherwise skips them.")
-for name in ("methods", "models", "steps", "warmup", "batch_size", "optimizer", "timeout", "out"):
+for name in ("methods", "models", "steps", "warmup", "batch_size", "optimizer", "tf_cpu_allocator", "timeout", "out"):
     flags.declare_key_flag(name)  # wire.py's, listed in --help
 FLAGS = flags.FLAGS
 FLAGS.set_default("methods", DEFAULT_METHODS)
@@ -319,13 +319,13 @@ def run_job(model, method):
                 f"--horovod_allreduce_at_size_1={str(FLAGS.horovod_allreduce_at_size_1).lower()}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}  # one rank, not a launcher's
         env.update(TF_NUM_INTRAOP_THREADS=str(FLAGS.threads), TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1",
-                   TF_CPP_MIN_LOG_LEVEL="2")
+                   TF_CPP_MIN_LOG_LEVEL="2", **launch.allocator_env(FLAGS.tf_cpu_allocator))
         done = subprocess.run(argv, env=env, timeout=FLAGS.timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
         if done.returncode:
             tail = "\n".join(done.stdout.splitlines()[-30:])
             raise RuntimeError(f"{model} {method}: the worker exited with {done.returncode}:\n{tail}")
-        return json.loads(result.read_text())
+        return dict(json.loads(result.read_text()), tf_cpu_allocator=FLAGS.tf_cpu_allocator)
 
 
 def baseline_of(rows):
@@ -379,7 +379,8 @@ def main(_):
     command = launch.command_line(__file__, models=FLAGS.models, methods=FLAGS.methods, steps=FLAGS.steps,
                                   warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
                                   batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer, threads=FLAGS.threads,
-                                  horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1, out=FLAGS.out)
+                                  horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1,
+                                  tf_cpu_allocator=FLAGS.tf_cpu_allocator, out=FLAGS.out)
     print(f"\nReproduce with:\n    {command}")
     results.save(FLAGS.out, rows)
     publish(rows)
@@ -395,7 +396,8 @@ def render(rows):
             f"{wire.OPTIMIZERS[optimizer]}"
             + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
             + ", one rank (no network), "
-            f"{r0['intra_op_threads']} intra-op and 1 inter-op thread; step: median of {r0['steps']} steps after "
+            f"{r0['intra_op_threads']} intra-op and 1 inter-op thread, {launch.allocator_note(r0)}; step: median of "
+            f"{r0['steps']} steps after "
             f"{r0['warmup']}; phases: medians over {r0['profile_steps']} profiled steps; ms.")
     table = results.markdown_table(
         ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],

@@ -16,7 +16,8 @@ horovod_fp16 are Horovod's own DistributedOptimizer; none (the same fp32
 allreduce in hvd_compress's wrapper, whose SGD update runs in fused kernels, as
 in every hc method: it separates that from what compression buys), fp16,
 onebit (two-way), topk (1%) and powersgd (rank 4) hvd_compress's; any other of
-wire.METHODS but its no_exchange, quantize8 for one, with --methods). Flags this script shares with wire.py (--rates, --ranks,
+wire.METHODS, quantize8 for one, with --methods; no_exchange, where each rank trains alone and sends
+nothing, gives the floor's step). Flags this script shares with wire.py (--rates, --ranks,
 --hosts, --methods, --batch_size, --slow_start_after_idle, --launcher, --timeout, --out) are
 wire.py's own, with this script's defaults; its --steps, --warmup, --idle_s
 and --models do not apply here.
@@ -256,13 +257,14 @@ def run(net, method):
             f"--eval_every={setting('eval_every')}", f"--seed={FLAGS.seed}", f"--batch_size={FLAGS.batch_size}",
             *([] if setting("compression_warmup") is None else [f"--compression_warmup={setting('compression_warmup')}"])]
     ranks = launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{method} on {net.layout} ranks at {net.rate}",
-                                     launcher=FLAGS.launcher, point_to_point=launch.needs_mpi(method))
+                                     launcher=FLAGS.launcher, tf_cpu_allocator=FLAGS.tf_cpu_allocator,
+                                     point_to_point=launch.needs_mpi(method))
     # The first step is counted as the median step of the slowest rank, not as its tracing time.
     first_step = max(r["median_step_s"] for r in ranks)
     curve = [dict(step=step, seconds=clock + (first_step if step else 0.0), accuracy=accuracy)
              for step, clock, accuracy in ranks[0]["curve"]]
     return dict(rate=net.rate, ranks=net.num_ranks, layout=net.layout, method=method, task=FLAGS.task,
-                launcher=FLAGS.launcher, sustained=FLAGS.sustained,
+                launcher=FLAGS.launcher, tf_cpu_allocator=FLAGS.tf_cpu_allocator, sustained=FLAGS.sustained,
                 params=ranks[0]["params"], curve=curve,
                 final_accuracy=curve[-1]["accuracy"], steps=ranks[0]["steps"], seconds=curve[-1]["seconds"],
                 median_step_s=first_step, accounted=statistics.fmean(r["accounted"] for r in ranks),
@@ -336,7 +338,7 @@ def main(_):
         return worker()
     methods = [FLAGS.reference] + [m for m in FLAGS.methods if m != FLAGS.reference]  # the target first
     launch.check_names("time_to_accuracy.py", "methods", methods,
-                       [m for m in wire.METHODS if m != wire.NO_EXCHANGE])  # (whose ranks never agree)
+                       wire.METHODS)
     launch.check_launcher("time_to_accuracy.py", methods, FLAGS.launcher)
     if FLAGS.task == "digits" and (len(FLAGS.layers) < 2 or FLAGS.layers[0] != "64" or FLAGS.layers[-1] != "10"):
         sys.exit(f"time_to_accuracy.py: --layers must start with 64 (pixels) and end with 10 (classes), "
@@ -387,7 +389,7 @@ def command_line():
                                layers=FLAGS.layers, lr=setting("lr"), epochs=setting("epochs"),
                                **({} if setting("compression_warmup") is None else
                                   dict(compression_warmup=setting("compression_warmup"))),
-                               max_seconds=FLAGS.max_seconds,
+                               max_seconds=FLAGS.max_seconds, tf_cpu_allocator=FLAGS.tf_cpu_allocator,
                                eval_every=setting("eval_every"), sustained=FLAGS.sustained,
                                batch_size=FLAGS.batch_size, seed=FLAGS.seed,
                                reference=FLAGS.reference, margin=FLAGS.margin,
@@ -404,12 +406,21 @@ def render(runs):
     targets = "; ".join(f"{rate}: {r['target']:.4f}" for rate, r in {r["rate"]: r for r in runs}.items())
     r0 = runs[0]
     hosts = "" if wire.layout_of(r0).endswith("x1") else f" on hosts {wire.layout_of(r0)} (sharing a host's link)"
-    note = (f"{r0['ranks']} ranks{hosts}, {launch.launched(r0.get('launcher', 'gloo'))}, {describe(r0)}. "
+    note = (f"{r0['ranks']} ranks{hosts}, {launch.launched(r0.get('launcher', 'gloo'))}, {launch.allocator_note(r0)}, "
+            f"{describe(r0)}. "
             f"Target: {name}'s final test accuracy less the margin "
             f"({targets}). Seconds: the slowest rank's training clock at the first evaluation where the mean of the "
             f"last {r0.get('sustained', 1)} evaluations reaches the target.")
+    if any(r["method"] == wire.NO_EXCHANGE for r in runs):
+        note += (f" {wire.NO_EXCHANGE}: each rank trains alone on its shard and sends nothing; its median step is "
+                 "the floor (the step's compute and the optimizer's own update), its accuracy rank 0's alone, so it "
+                 "has no time to the target.")
     rows = []
     for r in runs:
+        if r["method"] == wire.NO_EXCHANGE:
+            rows.append([r["rate"], r["method"], "(floor)", "-", "-", "-", f"{r['final_accuracy']:.4f}",
+                         f"{1000 * r['median_step_s']:.0f}", results.count(r["accounted"])])
+            continue
         reached = r["seconds_to_target"] is not None
         rows.append([r["rate"], r["method"], f"{r['seconds_to_target']:.1f}" if reached else "never",
                      results.times(r[f"vs_{reference}"]), results.times(r["vs_fp32"]),

@@ -21,8 +21,9 @@ python wire.py --role=worker ...` with a hard timeout per job. With
 enters each host's namespace where ssh would log into it
 (launch.run_in_namespaces): Horovod's collectives then run over Open MPI, and
 SGP can send point to point (sgp_mpi, sgp_overlap_mpi); the tables of such a
-run are published apart (wire_<model>_mpi). With --tf_cpu_allocator=bfc the ranks run with
-TF_CPU_ALLOCATOR_USE_BFC=1 (launch.run_in_namespaces says why), their tables apart (_bfc).
+run are published apart (wire_<model>_mpi). The ranks run with TensorFlow's BFC allocator
+(TF_CPU_ALLOCATOR_USE_BFC=1; launch.TF_CPU_ALLOCATORS says why), their tables apart (_bfc);
+--tf_cpu_allocator=default gives them TensorFlow's default CPU allocator.
 
 Each worker trains `--warmup` steps, then, between two tiny allreduce
 barriers, `--steps` timed steps, and reads its host's interface's kernel counters
@@ -158,10 +159,10 @@ flags.DEFINE_float("idle_s", 1.0, "Seconds without steps after the timed ones, t
                    "own control traffic.")
 flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads per rank; 2 lets the last layers' exchange "
                      "start during the backward pass (docs/architecture.md, \"Buckets and overlap\").", lower_bound=1)
-flags.DEFINE_enum("tf_cpu_allocator", "default", launch.TF_CPU_ALLOCATORS, "TensorFlow's CPU allocator in the "
+flags.DEFINE_enum("tf_cpu_allocator", "bfc", launch.TF_CPU_ALLOCATORS, "TensorFlow's CPU allocator in the "
                   "ranks: bfc (TF_CPU_ALLOCATOR_USE_BFC=1) reuses tensors' memory, where the default takes a large "
-                  "tensor's memory afresh from the kernel each time (launch.run_in_namespaces); its tables are "
-                  "published apart (_bfc).")
+                  "tensor's memory afresh from the kernel each time (launch.TF_CPU_ALLOCATORS); tables made with "
+                  "bfc are published apart (_bfc) from older ones made with the default.")
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
 flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start: gloo (Horovod's collectives over "
@@ -437,8 +438,7 @@ def render(rows):
         return f"{r['step_ms'] / (floor['step_ms'] + link_ms):.2f}x"
 
     r0 = rows[0]
-    allocator = ("TensorFlow's BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=1)"
-                 if r0.get("tf_cpu_allocator") == "bfc" else "TensorFlow's default CPU allocator")
+    allocator = launch.allocator_note(r0)
     models = ", ".join(dict.fromkeys(f"{r['model']} ({r['params']:,} parameters)" for r in rows))
     optimizer = r0.get("optimizer", "sgd")
     note = (f"{models}, batch {r0['batch_size']} per rank, every method on Keras's {OPTIMIZERS[optimizer]}"

@@ -13,14 +13,17 @@ test accuracy and the total bytes one worker sent; --history writes the
 per-epoch logs (regime per layer, cumulative bytes, test accuracy) as JSON.
 """
 import json
+import os
 
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")  # docs/benchmarks.md, "The CPU allocator"
 
-import horovod.tensorflow as hvd
-import hvd_compress as hc
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
 
-import digits
+import horovod.tensorflow as hvd  # noqa: E402
+import hvd_compress as hc  # noqa: E402
+
+import digits  # noqa: E402
 
 #: family -> (low, high), the critical-regime setting and the calm one: each a method of hc.methods and
 #: the arguments it changes

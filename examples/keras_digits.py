@@ -15,15 +15,18 @@ It runs in the Keras `tf.keras` is: Keras 3 by default, tf_keras under TF_USE_LE
 (hvd_compress takes either; its callbacks broadcast the initial state in both).
 """
 import json
+import os
 
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")  # docs/benchmarks.md, "The CPU allocator"
 
-import horovod.tensorflow as hvd
-import hvd_compress as hc
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
 
-import digits
-from hvd_compress.exchange import allreduce_bytes
+import horovod.tensorflow as hvd  # noqa: E402
+import hvd_compress as hc  # noqa: E402
+
+import digits  # noqa: E402
+from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 
 #: Horovod's own DistributedOptimizer needs tf_keras, and this example runs in whichever Keras tf.keras is
 METHODS = [name for name in hc.methods.NAMES if not name.startswith("horovod_")]

@@ -18,6 +18,7 @@ import os
 
 # tf_keras for tf.keras: the baselines are Horovod's own DistributedOptimizer, which needs it.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")  # docs/benchmarks.md, "The CPU allocator"
 
 import json  # noqa: E402
 

@@ -49,7 +49,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from hvd_compress import ops
 from hvd_compress.compressor import EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, StatefulCompressor, seed_key
-from hvd_compress.exchange import Exchange, Exchanged, allreduce_bytes, concat, split
+from hvd_compress.exchange import Exchange, Exchanged, allreduce_bytes, concat
 from hvd_compress.state import REPLICATED, StateSpec
 
 #: Sizes from a ratio (docs/algorithms.md, "Sketched SGD": measured on digits residuals).
@@ -209,18 +209,18 @@ class SketchAllreduce(Exchange):
         estimate = self.compressor.estimate(summed, self.n, salt, step.number)
         if self.compressor.second_round:
             _, candidates = ops.top_k_abs(estimate, self.num_candidates)
-            local = tf.gather(flat, candidates)
-            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
+            values = hvd.allreduce(tf.gather(flat, candidates), op=hvd.Sum, process_set=process_set,
+                                   name=name + ".values")
             applied = candidates
             if not self.compressor.apply_candidates:
                 values, chosen = ops.top_k_abs(values, self.k)
-                applied, local = tf.gather(candidates, chosen), tf.gather(local, chosen)
+                applied = tf.gather(candidates, chosen)
         else:
             _, applied = ops.top_k_abs(estimate, self.k)
-            values, local = tf.gather(estimate, applied), tf.gather(flat, applied)
-        residual = flat - ops.scatter_dense(applied, local, self.n)  # e = a, zeroed where applied
-        return Exchanged(split(residual, parts), split(ops.scatter_dense(applied, values, self.n) / self.bucket.size,
-                                                       parts), applied=applied)
+            values = tf.gather(estimate, applied)
+        # e = a, zeroed where applied, in place; the mean of the applied sums goes straight into each part.
+        return Exchanged(ops.zero_at(parts, applied),
+                         ops.scatter_mean(applied, values, [p.shape for p in parts], self.bucket.size), applied=applied)
 
 
 class SketchSpaceAllreduce(Exchange):
@@ -253,5 +253,5 @@ class SketchSpaceAllreduce(Exchange):
         rows = tf.repeat(tf.range(self.rows, dtype=tf.int64), self.k)
         keep = tf.tensor_scatter_nd_update(tf.ones([self.rows, self.cols]),
                                            tf.stack([rows, tf.reshape(cells, [-1])], 1), tf.zeros([self.rows * self.k]))
-        return Exchanged(None, split(ops.scatter_dense(applied, values, self.n), parts),
+        return Exchanged(None, ops.scatter_mean(applied, values, [p.shape for p in parts], 1),
                          {"sketch_momentum": momentum * keep, "sketch_error": error * keep})

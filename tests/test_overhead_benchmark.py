@@ -19,5 +19,6 @@ def test_every_row_stands_beside_no_exchange_of_the_same_optimizer(tmp_path):
     rows = {r["method"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"no_exchange", "horovod_fp16", "onebit"}
     assert {r["optimizer"] for r in rows.values()} == {"adamw"} and all(r["step_ms"] > 0 for r in rows.values())
+    assert {r["tf_cpu_allocator"] for r in rows.values()} == {"bfc"}  # the benchmarks' default allocator
     assert "| method | step ms | vs no_exchange |" in proc.stdout
     assert "| onebit |" in proc.stdout and "AdamW(1e-3, weight_decay=0.01)" in proc.stdout

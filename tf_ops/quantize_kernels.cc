@@ -76,12 +76,55 @@ __attribute__((target("avx512f,avx512dq"))) void UniformsAvx512(uint64_t base, i
 #pragma GCC diagnostic pop
 
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+
+// The low 64 bits of a * b in each 64-bit lane, from AVX2's 32 x 32 -> 64 multiplies: lo(a) lo(b) +
+// (hi(a) lo(b) + lo(a) hi(b)) 2^32 (mod 2^64); b_hi: b >> 32, lane by lane.
+__attribute__((target("avx2"))) inline __m256i MulLo64Avx2(__m256i a, __m256i b, __m256i b_hi) {
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b), _mm256_mul_epu32(a, b_hi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
+}
+
+// QuantizeUniform of 4 indices (one per 64-bit lane), as its 24-bit integer z >> 40.
+__attribute__((target("avx2"))) inline __m256i SplitMixAvx2(__m256i z, __m256i mul1, __m256i mul1_hi,
+                                                           __m256i mul2, __m256i mul2_hi) {
+  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), mul1, mul1_hi);
+  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), mul2, mul2_hi);
+  return _mm256_srli_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 40);
+}
+
+// QuantizeUniform for 8 indices at a time on AVX2 (CPUs without AVX-512DQ): the same arithmetic.
+__attribute__((target("avx2"))) void UniformsAvx2(uint64_t base, int64_t first, int64_t len, float* out) {
+  const __m256i golden = _mm256_set1_epi64x(static_cast<int64_t>(0x9E3779B97F4A7C15ull));
+  const __m256i mul1 = _mm256_set1_epi64x(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  const __m256i mul2 = _mm256_set1_epi64x(static_cast<int64_t>(0x94D049BB133111EBull));
+  const __m256i mul1_hi = _mm256_srli_epi64(mul1, 32), mul2_hi = _mm256_srli_epi64(mul2, 32);
+  const __m256i seed = _mm256_set1_epi64x(static_cast<int64_t>(base)), step = _mm256_set1_epi64x(8);
+  const __m256i low_dwords = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);  // each lane's low 32 bits, packed
+  __m256i index0 = _mm256_add_epi64(_mm256_set1_epi64x(first), _mm256_setr_epi64x(0, 1, 2, 3));
+  __m256i index1 = _mm256_add_epi64(index0, _mm256_set1_epi64x(4));
+  int64_t l = 0;
+  for (; l + 8 <= len; l += 8) {
+    const __m256i z0 = SplitMixAvx2(_mm256_add_epi64(_mm256_xor_si256(seed, index0), golden), mul1, mul1_hi,
+                                    mul2, mul2_hi);
+    const __m256i z1 = SplitMixAvx2(_mm256_add_epi64(_mm256_xor_si256(seed, index1), golden), mul1, mul1_hi,
+                                    mul2, mul2_hi);
+    const __m256i packed = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(z0, low_dwords),
+                                                     _mm256_permutevar8x32_epi32(z1, low_dwords), 0x20);
+    _mm256_storeu_ps(out + l, _mm256_mul_ps(_mm256_cvtepi32_ps(packed), _mm256_set1_ps(0x1p-24f)));
+    index0 = _mm256_add_epi64(index0, step);
+    index1 = _mm256_add_epi64(index1, step);
+  }
+  for (; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 // out[l] = u_(first + l) for l in [0, len).
 void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
 #if defined(HVD_COMPRESS_QUANTIZE_AVX512)
   if (kHasAvx512) return UniformsAvx512(base, first, len, out);
+  if (kHasAvx2) return UniformsAvx2(base, first, len, out);
 #endif
   for (int64_t l = 0; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
 }
