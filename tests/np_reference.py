@@ -393,15 +393,27 @@ class FetchSGD:
 QUANTIZE_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
+def _mix32(x):
+    """lowbias32 of uint32 x (wrapping), as Mix32 in tf_ops/cores.h."""
+    x = (x ^ (x >> np.uint32(16))) * np.uint32(0x7FEB352D)
+    x = (x ^ (x >> np.uint32(15))) * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
 def quantize_uniforms(seed, n):
     """float32[n]: the stochastic draws u_i in [0, 1) of elements 0..n-1 for seed = (key, counter):
-    (splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F ^ i) >> 40) * 2^-24."""
+    K = splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F), then
+    (mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)) >> 8) * 2^-24."""
     key, counter = np.asarray(seed, np.int64).reshape(2).view(np.uint64)
+    index = np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         base = np.array([key], np.uint64) * QUANTIZE_GOLDEN ^ np.array([counter], np.uint64) * np.uint64(
             0xC2B2AE3D27D4EB4F)
-        z = _mix64((base ^ np.arange(n, dtype=np.uint64)) + QUANTIZE_GOLDEN)
-    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+        k = _mix64(base + QUANTIZE_GOLDEN)[0]
+        low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(int(k) & 0xFFFFFFFF)
+        high = (index >> np.uint64(32)).astype(np.uint32) ^ np.uint32(int(k) >> 32)
+        h = _mix32(_mix32(low) ^ high)
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def quantize_params(x, bounds, bits):

@@ -150,6 +150,9 @@ def test_stochastic_draws_repeat_with_the_seed_only():
     u = ref.quantize_uniforms((3, 9), 100_000)
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005
     assert abs(np.corrcoef(u, ref.quantize_uniforms((3, 10), u.size))[0, 1]) < 0.02
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02  # neighbouring elements
+    counts = np.bincount((u * 64).astype(int), minlength=64)  # 64 bins of ~1562 +- 39
+    assert np.all(np.abs(counts - u.size / 64) < 5 * np.sqrt(u.size / 64))
 
 
 @pytest.mark.parametrize("bits", qops.QUANTIZE_BITS)

@@ -48,84 +48,20 @@ absl::Status CheckBits(int64_t bits) {
 // Stochastic draws: u_i = QuantizeUniform(QuantizeSeedBase(key, counter), i) (cores.h).
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define HVD_COMPRESS_QUANTIZE_AVX512 1
-// QuantizeUniform for 8 indices at a time with AVX-512DQ's 64-bit multiply (the same arithmetic).
-// (GCC 12's _mm512_srli_epi64 passes an undefined vector as the merge source of an unmasked shift,
-// which -Wmaybe-uninitialized reports once per call: a false positive in its own header.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-__attribute__((target("avx512f,avx512dq"))) void UniformsAvx512(uint64_t base, int64_t first, int64_t len,
-                                                                 float* out) {
-  const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(0x9E3779B97F4A7C15ull));
-  const __m512i mul1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
-  const __m512i mul2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
-  const __m512i seed = _mm512_set1_epi64(static_cast<int64_t>(base)), step = _mm512_set1_epi64(8);
-  __m512i index = _mm512_add_epi64(_mm512_set1_epi64(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
-  int64_t l = 0;
-  for (; l + 8 <= len; l += 8) {
-    __m512i z = _mm512_add_epi64(_mm512_xor_si512(seed, index), golden);
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), mul1);
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), mul2);
-    z = _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 40);
-    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(z)), _mm256_set1_ps(0x1p-24f));
-    _mm256_storeu_ps(out + l, u);
-    index = _mm512_add_epi64(index, step);
-  }
-  for (; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
-}
-#pragma GCC diagnostic pop
-
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-
-// The low 64 bits of a * b in each 64-bit lane, from AVX2's 32 x 32 -> 64 multiplies: lo(a) lo(b) +
-// (hi(a) lo(b) + lo(a) hi(b)) 2^32 (mod 2^64); b_hi: b >> 32, lane by lane.
-__attribute__((target("avx2"))) inline __m256i MulLo64Avx2(__m256i a, __m256i b, __m256i b_hi) {
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b), _mm256_mul_epu32(a, b_hi));
-  return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
-}
-
-// QuantizeUniform of 4 indices (one per 64-bit lane), as its 24-bit integer z >> 40.
-__attribute__((target("avx2"))) inline __m256i SplitMixAvx2(__m256i z, __m256i mul1, __m256i mul1_hi,
-                                                           __m256i mul2, __m256i mul2_hi) {
-  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), mul1, mul1_hi);
-  z = MulLo64Avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), mul2, mul2_hi);
-  return _mm256_srli_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 40);
-}
-
-// QuantizeUniform for 8 indices at a time on AVX2 (CPUs without AVX-512DQ): the same arithmetic.
-__attribute__((target("avx2"))) void UniformsAvx2(uint64_t base, int64_t first, int64_t len, float* out) {
-  const __m256i golden = _mm256_set1_epi64x(static_cast<int64_t>(0x9E3779B97F4A7C15ull));
-  const __m256i mul1 = _mm256_set1_epi64x(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
-  const __m256i mul2 = _mm256_set1_epi64x(static_cast<int64_t>(0x94D049BB133111EBull));
-  const __m256i mul1_hi = _mm256_srli_epi64(mul1, 32), mul2_hi = _mm256_srli_epi64(mul2, 32);
-  const __m256i seed = _mm256_set1_epi64x(static_cast<int64_t>(base)), step = _mm256_set1_epi64x(8);
-  const __m256i low_dwords = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);  // each lane's low 32 bits, packed
-  __m256i index0 = _mm256_add_epi64(_mm256_set1_epi64x(first), _mm256_setr_epi64x(0, 1, 2, 3));
-  __m256i index1 = _mm256_add_epi64(index0, _mm256_set1_epi64x(4));
-  int64_t l = 0;
-  for (; l + 8 <= len; l += 8) {
-    const __m256i z0 = SplitMixAvx2(_mm256_add_epi64(_mm256_xor_si256(seed, index0), golden), mul1, mul1_hi,
-                                    mul2, mul2_hi);
-    const __m256i z1 = SplitMixAvx2(_mm256_add_epi64(_mm256_xor_si256(seed, index1), golden), mul1, mul1_hi,
-                                    mul2, mul2_hi);
-    const __m256i packed = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(z0, low_dwords),
-                                                     _mm256_permutevar8x32_epi32(z1, low_dwords), 0x20);
-    _mm256_storeu_ps(out + l, _mm256_mul_ps(_mm256_cvtepi32_ps(packed), _mm256_set1_ps(0x1p-24f)));
-    index0 = _mm256_add_epi64(index0, step);
-    index1 = _mm256_add_epi64(index1, step);
-  }
-  for (; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
+#define HVD_COMPRESS_QUANTIZE_AVX2 1
+// Mix32 of 8 lanes.
+__attribute__((target("avx2"))) inline __m256i Mix32Avx2(__m256i x) {
+  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)), _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
+                         _mm256_set1_epi32(static_cast<int32_t>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
-// out[l] = u_(first + l) for l in [0, len).
+// out[l] = u_(first + l) for l in [0, len) (CodeTileDrawnAvx2 makes them in registers where it can).
 void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
-#if defined(HVD_COMPRESS_QUANTIZE_AVX512)
-  if (kHasAvx512) return UniformsAvx512(base, first, len, out);
-  if (kHasAvx2) return UniformsAvx2(base, first, len, out);
-#endif
   for (int64_t l = 0; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
 }
 
@@ -189,32 +125,60 @@ void PackCodes(const uint8_t* q, int64_t begin, int64_t len, int bits, uint8_t* 
 }
 
 // ---------------------------------------------------------------------------
-// Coding: x[0, len) of one block -> codes q[0, len) and residual[0, len).
-// add[l] is u_i (stochastic) or 0.5 (deterministic). residual may be x.
+// Coding: x[0, len) of one block -> codes q[0, len) and residual[0, len). residual may be x.
+// add: u_i (stochastic) or 0.5 (deterministic).
 
+inline void CodeOne(float v, float add, const QuantizeParams& p, float levels, uint8_t* q, float* residual) {
+  const float f = QuantizeLevel(v, p, add, levels);
+  *q = static_cast<uint8_t>(f);
+  *residual = v - QuantizeDecode(p.offset, f, p.scale);
+}
+
+#if defined(__AVX__)
+// CodeOne of 8 elements.
+inline void CodeEight(const float* x, __m256 add, const QuantizeParams& p, float levels, uint8_t* q, float* residual) {
+  const __m256 offset = _mm256_set1_ps(p.offset), v = _mm256_loadu_ps(x);
+  __m256 f = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, offset), _mm256_set1_ps(p.inv)), add));
+  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps(levels));  // max_ps(NaN, 0) = 0
+  const __m256i codes = _mm256_cvttps_epi32(f);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(codes), _mm256_extractf128_si256(codes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packus_epi16(words, words));
+  _mm256_storeu_ps(residual, _mm256_sub_ps(v, _mm256_add_ps(offset, _mm256_mul_ps(f, _mm256_set1_ps(p.scale)))));
+}
+#endif
+
+// add[l] for element l.
 void CodeTile(const float* x, const float* add, int64_t len, const QuantizeParams& p, float levels, uint8_t* q,
               float* residual) {
   int64_t i = 0;
 #if defined(__AVX__)
-  const __m256 offset = _mm256_set1_ps(p.offset), inv = _mm256_set1_ps(p.inv), scale = _mm256_set1_ps(p.scale),
-               top = _mm256_set1_ps(levels), zero = _mm256_setzero_ps();
-  for (; i + 8 <= len; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    __m256 f = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, offset), inv), _mm256_loadu_ps(add + i)));
-    f = _mm256_min_ps(_mm256_max_ps(f, zero), top);  // max_ps(NaN, 0) = 0
-    const __m256i codes = _mm256_cvttps_epi32(f);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(codes), _mm256_extractf128_si256(codes, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packus_epi16(words, words));
-    _mm256_storeu_ps(residual + i, _mm256_sub_ps(v, _mm256_add_ps(offset, _mm256_mul_ps(f, scale))));
-  }
+  for (; i + 8 <= len; i += 8) CodeEight(x + i, _mm256_loadu_ps(add + i), p, levels, q + i, residual + i);
 #endif
-  for (; i < len; ++i) {
-    const float v = x[i];
-    const float f = QuantizeLevel(v, p, add[i], levels);
-    q[i] = static_cast<uint8_t>(f);
-    residual[i] = v - QuantizeDecode(p.offset, f, p.scale);
-  }
+  for (; i < len; ++i) CodeOne(x[i], add[i], p, levels, q + i, residual + i);
 }
+
+#if defined(HVD_COMPRESS_QUANTIZE_AVX2)
+// CodeTile with the draws of elements first, first + 1, ... made in registers (UniformsAvx2's arithmetic),
+// while hi32 of the index stays the same; false (nothing done) where it does not.
+__attribute__((target("avx2"))) bool CodeTileDrawnAvx2(const float* x, uint64_t base, int64_t first, int64_t len,
+                                                       const QuantizeParams& p, float levels, uint8_t* q,
+                                                       float* residual) {
+  if ((static_cast<uint64_t>(first) >> 32) != (static_cast<uint64_t>(first + len - 1) >> 32)) return false;
+  const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(base));
+  const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (static_cast<uint64_t>(first) >> 32)));
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i h = Mix32Avx2(_mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi));
+    CodeEight(x + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f)), p, levels,
+              q + i, residual + i);
+    index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+  }
+  for (; i < len; ++i) CodeOne(x[i], QuantizeUniform(base, first + i), p, levels, q + i, residual + i);
+  return true;
+}
+#endif
 
 // Codes elements [begin, end) of one block into packed and residual.
 template <bool kStochastic>
@@ -226,15 +190,22 @@ void CodePiece(const float* x, int64_t begin, int64_t end, const QuantizeParams&
   if (!kStochastic) std::fill(add, add + std::min(kTile, end - begin), 0.5f);
   for (int64_t lo = begin; lo < end; lo += kTile) {
     const int64_t len = std::min(kTile, end - lo);
-    if (kStochastic) Uniforms(seed_base, lo, len, add);
-    CodeTile(x + lo, add, len, p, levels, q, residual + lo);
+    bool coded = false;
+#if defined(HVD_COMPRESS_QUANTIZE_AVX2)
+    if (kStochastic && kHasAvx2) coded = CodeTileDrawnAvx2(x + lo, seed_base, lo, len, p, levels, q, residual + lo);
+#endif
+    if (!coded) {
+      if (kStochastic) Uniforms(seed_base, lo, len, add);
+      CodeTile(x + lo, add, len, p, levels, q, residual + lo);
+    }
     PackCodes(q, lo, len, bits, packed);
   }
 }
 
 // ---------------------------------------------------------------------------
-// Decoding: acc[l] = (first ? 0 : acc[l]) + (offset + float(q) * scale) for the elements
-// begin + l, l in [0, len), of one block of one payload, straight from the packed bytes.
+// Decoding: the mean of m payloads of the elements [begin, end) of one block, straight from the packed
+// bytes, summed in registers: acc = 0; acc += offset_r + float(q_r) * scale_r for r = 0..m-1 in order;
+// out = acc / m (+ plus).
 
 // The codes of a packed byte as floats: kCodeTables.two[byte][k] for 2-bit codes, .four for 4-bit.
 struct CodeTables {
@@ -249,41 +220,58 @@ struct CodeTables {
 };
 constexpr CodeTables kCodeTables;
 
-template <int kBits>
-void DecodeRun(const uint8_t* packed, int64_t begin, int64_t len, float offset, float scale, bool first,
-               float* __restrict acc) {
-  auto one = [&](int64_t l) {
-    const float code = static_cast<float>(QuantizeCodeAt(packed, kBits, begin + l));
-    acc[l] = (first ? 0.0f : acc[l]) + QuantizeDecode(offset, code, scale);
-  };
-  int64_t l = 0;
-  for (; l < len && ((begin + l) & 7) != 0; ++l) one(l);
 #if defined(__AVX__)
-  // Eight elements (kBits bytes) at a time.
-  const __m256 o = _mm256_set1_ps(offset), s = _mm256_set1_ps(scale);
-  for (; l + 8 <= len; l += 8) {
-    const uint8_t* p = packed + (begin + l) / 8 * kBits;
-    __m256 codes;
-    if constexpr (kBits == 2) {
-      codes = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(kCodeTables.two[p[0]])),
-                                   _mm_load_ps(kCodeTables.two[p[1]]), 1);
-    } else if constexpr (kBits == 4) {
-      auto pair = [&](int k) {
-        const double* a = reinterpret_cast<const double*>(kCodeTables.four[p[k]]);
-        const double* b = reinterpret_cast<const double*>(kCodeTables.four[p[k + 1]]);
-        return _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd(a), b));
-      };
-      codes = _mm256_insertf128_ps(_mm256_castps128_ps256(pair(0)), pair(2), 1);
-    } else {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-      codes = _mm256_cvtepi32_ps(_mm256_insertf128_si256(_mm256_castsi128_si256(_mm_cvtepu8_epi32(bytes)),
-                                                         _mm_cvtepu8_epi32(_mm_srli_si128(bytes, 4)), 1));
+// The 8 codes (as floats) of the kBits bytes at p: elements 8j .. 8j + 7.
+template <int kBits>
+inline __m256 CodesOfEight(const uint8_t* p) {
+  if constexpr (kBits == 2) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(kCodeTables.two[p[0]])),
+                                _mm_load_ps(kCodeTables.two[p[1]]), 1);
+  } else if constexpr (kBits == 4) {
+    auto pair = [&](int k) {
+      const double* a = reinterpret_cast<const double*>(kCodeTables.four[p[k]]);
+      const double* b = reinterpret_cast<const double*>(kCodeTables.four[p[k + 1]]);
+      return _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd(a), b));
+    };
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(pair(0)), pair(2), 1);
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_insertf128_si256(_mm256_castsi128_si256(_mm_cvtepu8_epi32(bytes)),
+                                                      _mm_cvtepu8_epi32(_mm_srli_si128(bytes, 4)), 1));
+  }
+}
+#endif
+
+// One block's decoded mean: payload r's bytes at packed + r * num_bytes, its offset and scale at
+// offsets[r * stride] and scales[r * stride].
+template <int kBits>
+void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets, const float* scales,
+                     int64_t stride, int64_t begin, int64_t end, const float* plus, float* out) {
+  const float count = static_cast<float>(m);
+  auto one = [&](int64_t i) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < m; ++r) {
+      const float code = static_cast<float>(QuantizeCodeAt(packed + r * num_bytes, kBits, i));
+      acc = acc + QuantizeDecode(offsets[r * stride], code, scales[r * stride]);
     }
-    const __m256 d = _mm256_add_ps(o, _mm256_mul_ps(codes, s));
-    _mm256_storeu_ps(acc + l, _mm256_add_ps(first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + l), d));
+    out[i] = plus ? acc / count + plus[i] : acc / count;
+  };
+  int64_t i = begin;
+  for (; i < end && (i & 7) != 0; ++i) one(i);
+#if defined(__AVX__)
+  const __m256 divisor = _mm256_set1_ps(count);
+  for (; i + 8 <= end; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t r = 0; r < m; ++r) {
+      const __m256 codes = CodesOfEight<kBits>(packed + r * num_bytes + i / 8 * kBits);
+      acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_set1_ps(offsets[r * stride]),
+                                             _mm256_mul_ps(codes, _mm256_set1_ps(scales[r * stride]))));
+    }
+    acc = _mm256_div_ps(acc, divisor);
+    _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
   }
 #endif
-  for (; l < len; ++l) one(l);
+  for (; i < end; ++i) one(i);
 }
 
 }  // namespace
@@ -439,28 +427,13 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
     const float* scales = scales_tensor.flat<float>().data();
     const float* offsets = offsets_tensor.flat<float>().data();
     float* y = y_tensor->flat<float>().data();
-    const float count = static_cast<float>(m);
 
+    const auto decode = bits == 2 ? DecodeMeanPiece<2> : bits == 4 ? DecodeMeanPiece<4> : DecodeMeanPiece<8>;
     ParallelFor(ctx, NumChunks(n), kChunk * (2 + 2 * m), [&](int64_t first, int64_t last) {
-      alignas(32) float acc[kTile];
-      const auto decode = bits == 2 ? DecodeRun<2> : bits == 4 ? DecodeRun<4> : DecodeRun<8>;
       for (int64_t c = first; c < last; ++c) {
         const int64_t chunk_lo = c * kChunk, chunk_hi = std::min(n, chunk_lo + kChunk);
         ForEachPieceInChunk(bounds, num_blocks, chunk_lo, chunk_hi, [&](int64_t b, int64_t begin, int64_t end) {
-          for (int64_t lo = begin; lo < end; lo += kTile) {
-            const int64_t len = std::min(kTile, end - lo);
-            for (int64_t r = 0; r < m; ++r) {
-              decode(packed + r * num_bytes, lo, len, offsets[r * num_blocks + b], scales[r * num_blocks + b], r == 0,
-                     acc);
-            }
-            float* out = y + lo;
-            if (plus) {
-              const float* add = plus + lo;
-              for (int64_t i = 0; i < len; ++i) out[i] = acc[i] / count + add[i];
-            } else {
-              for (int64_t i = 0; i < len; ++i) out[i] = acc[i] / count;
-            }
-          }
+          decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, y);
         });
       }
     });

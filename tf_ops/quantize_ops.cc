@@ -26,12 +26,15 @@
 //     a shard cut at a multiple of 8 elements is a slice of the packed bytes.
 //   * Stochastic draws, counter-based and stateless: for seed = (key, counter)
 //     int64[2] and the global index i of the element in x,
-//       z = (uint64(key) * 0x9E3779B97F4A7C15) ^ (uint64(counter) * 0xC2B2AE3D27D4EB4F) ^ uint64(i)
-//       u_i = (splitmix64(z) >> 40) * 2^-24   (exact in float32, in [0, 1))
+//       K = splitmix64((uint64(key) * 0x9E3779B97F4A7C15) ^ (uint64(counter) * 0xC2B2AE3D27D4EB4F))
+//       h = mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i))
+//       u_i = (h >> 8) * 2^-24   (exact in float32, in [0, 1))
 //     with splitmix64(z): z += 0x9E3779B97F4A7C15;
 //       z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
 //       z = (z ^ (z >> 27)) * 0x94D049BB133111EB; return z ^ (z >> 31)
-//     (all uint64, wrapping). E[q * scale + offset] = x within the block's range.
+//     (uint64, wrapping) and mix32(x) (lowbias32): x ^= x >> 16; x *= 0x7feb352d;
+//       x ^= x >> 15; x *= 0x846ca68b; return x ^ (x >> 16)
+//     (uint32, wrapping). E[q * scale + offset] = x within the block's range.
 //
 // TensorFlow runs CPU kernels with denormals flushed to zero, so results may
 // differ from the NumPy reference where an input or intermediate is subnormal.
