@@ -11,10 +11,20 @@ m and v Adam's replicated slots, b1, b2, eps its hyperparameters:
     t <= T_w:  g = mean_i g_i (float32, summed in rank order: exchange.OrderedMean)
                m = m + (g - m)(1 - b1);   v = v + (g^2 - v)(1 - b2)   (amsgrad: v^ = max(v^, v))
                x = x - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
-    t >  T_w:  d = sqrt(v) + eps (v frozen);   a_i = (m + (g_i - m)(1 - b1)) / d + e_i
+    t >  T_w:  d = sqrt(v) + eps (v frozen);   a_i = clip((m + (g_i - m)(1 - b1)) / d, B) + e_i
                D = the compressor's exchange of the a_i (onebit two-way: D = C(mean_i C(a_i) + e_s),
                worker and server error feedback);   m = D d
-               x = x - lr sqrt(1 - b2^T_w) / (1 - b1^t) * D
+               x = x - clip(lr sqrt(1 - b2^T_w) / (1 - b1^t) * D, lr)
+    with B = (1 - b1^t) / sqrt(1 - b2^T_w) and clip(y, c) = min(max(y, -c), c) elementwise.
+
+The bounds. Adam's own step is bounded: no coordinate moves much more than lr in a step (Kingma & Ba, "Adam: A Method
+for Stochastic Optimization", ICLR 2015, section 2.1), because v grows with any gradient that grows. A frozen v
+does not: a coordinate whose gradients grow after the warm-up (or that had none during it, v = 0, d = eps) gets
+m / d without limit. On the digits CNN under AdamW with a 20-step warm-up, the dense layer's median |m| / d rose from
+2 to 610 (largest 7,400) within two epochs, the residuals to norms of 2e6, and training diverged, with or without
+compression. So the momentum over d that travels is clipped at B, where Adam's bias-corrected ratio
+m_hat / sqrt(v_hat) is 1, and the step at lr: the trust region Adam itself keeps. After a warm-up long enough for v
+to settle, the clip rarely binds; the residuals stay in the units of m / d, of the order of B.
 
 What travels is the momentum divided by the frozen d, the step Adam would take: the same linear
 map on every rank, so mean_i(m_i / d) = mean_i(m_i) / d, and m = D d is the paper's averaged
@@ -35,7 +45,7 @@ Adam with a frozen variance: the compressors that feed back errors on gradients 
 quantize) under Adam and AdamW with warmup_steps > 0 keep the first half of that rule. After the warm-up v is
 frozen and m follows the exchanged mean gradient D (error feedback on gradients, a_i = g_i + e_i):
 
-    t >  T_w:  m = m + (D - m)(1 - b1);   x = x - lr sqrt(1 - b2^T_w) / (1 - b1^t) * m / d
+    t >  T_w:  m = m + (D - m)(1 - b1);   x = x - clip(lr sqrt(1 - b2^T_w) / (1 - b1^t) * m / d, lr)
 
 A sparse or low-rank D is a mean whose coordinates arrive in bursts (what top-k holds back for k steps comes
 at once): Adam's v would grow with the burst's square and shrink the steps of exactly those coordinates.
@@ -105,8 +115,11 @@ class FrozenVarianceAdam(WorkerRule):
         self.variance_steps = replicated(StateSpec("adam_variance_steps", (), REPLICATED))
 
     def begin(self, step, learning_rate, momentum, nesterov):
+        variance_steps = self.count_variance_steps(step)
+        t = tf.cast(step + 1, tf.float32)
+        bound = (1.0 - tf.pow(self.beta_1, t)) / tf.sqrt(1.0 - tf.pow(self.beta_2, variance_steps))
         return exchange.StepInfo(step, nesterov=nesterov,
-                                 rule=(tf.cast(learning_rate, tf.float32), self.count_variance_steps(step)))
+                                 rule=(tf.cast(learning_rate, tf.float32), variance_steps, bound))
 
     def warm(self, step):
         """Whether the optimizer's step `step` (0-based) is a full-precision warm-up step."""
@@ -136,7 +149,7 @@ class FrozenVarianceAdam(WorkerRule):
         """Keeps the residual; returns what the variable loses this step, from the exchanged mean, and updates m
         (and v during warm-up)."""
         super().finish(slot, update, residual, info)
-        learning_rate, variance_steps = info.rule
+        learning_rate, variance_steps, _ = info.rule
         m, v, v_hat = self.slots[slot]
         mean = tf.reshape(tf.cast(update, m.dtype), m.shape)
         t = tf.cast(info.number + 1, tf.float32)
@@ -147,18 +160,19 @@ class FrozenVarianceAdam(WorkerRule):
             v.assign_add((tf.square(mean) - v) * (1.0 - self.beta_2))
             if v_hat is not None:
                 v_hat.assign(tf.maximum(v_hat, v))
-            return self.step(slot, mean, alpha, momentum_exchanged=False)
+            return self.step(slot, mean, alpha, momentum_exchanged=False, max_step=float("inf"))
 
-        return tf.cond(self.warm(info.number), adam, lambda: self.step(slot, mean, alpha, self.exchanges_momentum))
+        return tf.cond(self.warm(info.number), adam,
+                       lambda: self.step(slot, mean, alpha, self.exchanges_momentum, max_step=learning_rate))
 
-    def step(self, slot, mean, alpha, momentum_exchanged):
+    def step(self, slot, mean, alpha, momentum_exchanged, max_step):
         """Adam's step with v as it stands, in one pass (ops.adam_frozen_step): where the mean is a gradient, m follows
         it and the step is alpha m / d; where it is the momentum over d (1-bit Adam), m = mean d and the step is
-        alpha mean."""
+        alpha mean; no coordinate's step larger than max_step (inf during the warm-up, exact Adam; then lr)."""
         m = self.slots[slot][0]
         m_new, delta = ops.adam_frozen_step(tf.cast(mean, tf.float32), tf.cast(tf.convert_to_tensor(m), tf.float32),
                                             self.velocity(slot), alpha, self.beta_1, self.epsilon_now(),
-                                            momentum_exchanged)
+                                            momentum_exchanged, max_step)
         m.assign(tf.cast(m_new, m.dtype))
         return tf.cast(delta, m.dtype)
 
@@ -198,12 +212,12 @@ class OneBitAdam(FrozenVarianceAdam):
         return default_warmup_steps(self.optimizer, planned_steps)
 
     def feed(self, slot, g, info):
-        """a_i: the gradient during warm-up, then this rank's momentum over d plus its residual, in one pass
-        (ops.adam_momentum_feed)."""
+        """a_i: the gradient during warm-up, then this rank's momentum over d, clipped at B, plus its residual, in one
+        pass (ops.adam_momentum_feed)."""
         m, e = self.slots[slot][0], self.residual(slot, g)
 
         def momentum():
             return ops.adam_momentum_feed(g, tf.cast(tf.convert_to_tensor(m), tf.float32), self.velocity(slot), e,
-                                          self.beta_1, self.epsilon_now())
+                                          self.beta_1, self.epsilon_now(), bound=info.rule[2])
 
         return tf.cond(self.warm(info.number), lambda: tf.identity(g), momentum)

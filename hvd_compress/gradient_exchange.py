@@ -278,6 +278,10 @@ class GradientExchange(tf.Module):
         if self.hierarchical:
             hosts.check_hosts_can_be_planned(self.process_set)
             self.hosts = hosts.HostSets()
+            if self.hosts.cross_size == 1 and hvd.rank() == 0:
+                log.warning("hvd_compress: hierarchical=True on a single host: the ranks average inside the host at "
+                            "full precision and nothing crosses a host link, so %r compresses nothing here. Use "
+                            "hierarchical=False to compress between these ranks.", self.compression)
             self.exchanges = [exchange.Hierarchical(self.compression, bucket, self.hosts, self.rule.feeds_back)
                               for bucket in buckets]
         else:

@@ -225,22 +225,24 @@ def momentum_error_feed(g, m, e, learning_rate, momentum, nesterov, residual_sca
                                          tf.cast(residual_scale, tf.float32), nesterov=bool(nesterov))
 
 
-def adam_momentum_feed(g, m, v, e, beta_1, epsilon):
+def adam_momentum_feed(g, m, v, e, beta_1, epsilon, bound=float("inf")):
     """The worker's side of 1-bit Adam after its warm-up, in one pass over float32 g, m, v (v frozen) and e:
-    a = (m + (g - m) * (1 - beta_1)) / (sqrt(v) + epsilon) + e, rounded as TensorFlow's own ops would round it.
-    beta_1: a Python float (1 - beta_1 is taken in float64, then rounded, as a TensorFlow expression does);
-    epsilon: a float32 scalar."""
+    a = clip((m + (g - m) * (1 - beta_1)) / (sqrt(v) + epsilon), -bound, bound) + e, rounded as TensorFlow's own ops
+    would round it (NaN stays NaN). beta_1: a Python float (1 - beta_1 is taken in float64, then rounded, as a
+    TensorFlow expression does); epsilon, bound: float32 scalars."""
     return library().adam_momentum_feed(g, m, v, e, tf.constant(1.0 - beta_1, tf.float32),
-                                        tf.cast(epsilon, tf.float32))
+                                        tf.cast(epsilon, tf.float32), tf.cast(bound, tf.float32))
 
 
-def adam_frozen_step(mean, m, v, alpha, beta_1, epsilon, momentum_exchanged):
+def adam_frozen_step(mean, m, v, alpha, beta_1, epsilon, momentum_exchanged, max_step=float("inf")):
     """The receiving side of Adam with its variance v frozen, in one pass over float32 mean, m and v, with
     d = sqrt(v) + epsilon. momentum_exchanged (1-bit Adam: the mean is of m / d): m_new = mean d, delta = mean alpha;
-    else (the mean is a gradient) m_new = m + (mean - m)(1 - beta_1), delta = m_new alpha / d. Returns
-    (m_new, delta), delta what the variable loses, rounded as TensorFlow's own ops would round them."""
+    else (the mean is a gradient) m_new = m + (mean - m)(1 - beta_1), delta = m_new alpha / d; delta clipped to
+    [-max_step, max_step] (NaN stays NaN). Returns (m_new, delta), delta what the variable loses, rounded as
+    TensorFlow's own ops would round them."""
     return library().adam_frozen_step(mean, m, v, tf.cast(alpha, tf.float32), tf.constant(1.0 - beta_1, tf.float32),
-                                      tf.cast(epsilon, tf.float32), momentum_exchanged=bool(momentum_exchanged))
+                                      tf.cast(epsilon, tf.float32), tf.cast(max_step, tf.float32),
+                                      momentum_exchanged=bool(momentum_exchanged))
 
 
 def decay_and_subtract(variable, delta, decay):

@@ -436,8 +436,9 @@ def load_model(filepath, compression=None, custom_optimizers=None, custom_object
     - optimizer_wrapper(optimizer), when given (e.g. hvd_compress.PushSumOptimizer), replaces the
       wrapper in both cases.
     custom_optimizers: optimizer classes the file names, as Horovod's argument (equivalent to
-    custom_objects keyed by class name). A `.keras` file is read by Keras 3, an `.h5` file by the
-    Keras that wrote it, a SavedModel directory by tf_keras.
+    custom_objects keyed by class name). A `.keras` or `.h5` file is read by the Keras that wrote it
+    (both record their version), a SavedModel directory by tf_keras; a missing, truncated or
+    unknown file gets an error naming the path and the fix.
 
     A model file holds the model and the optimizer's replicated state (the wrapped optimizer's
     slots, PowerSGD's Q, Accordion's history), not the per-rank and sharded state (error-feedback
@@ -514,18 +515,45 @@ def restore_h5_optimizer_state(keras, model, filepath):
         variable.assign(value)
 
 
+def keras_version_of_archive(path):
+    """The Keras version a .keras archive records (metadata.json: Keras 3 and tf_keras both write one), or an
+    error naming the file where it is not such an archive."""
+    import json
+    import zipfile
+    try:
+        with zipfile.ZipFile(tf.io.gfile.GFile(path, "rb")) as archive:
+            return str(json.loads(archive.read("metadata.json"))["keras_version"])
+    except (zipfile.BadZipFile, KeyError, ValueError) as error:
+        raise ValueError(f"{path!r} is not a complete .keras archive ({error}); it may be truncated or corrupted "
+                         "(a save interrupted, a copy cut short): load an earlier checkpoint, or write it again."
+                         ) from None
+
+
 def keras_of_file(filepath):
-    """The Keras that reads a model file: Keras 3 for .keras, the writer's for .h5, tf_keras for a
-    SavedModel directory."""
+    """The Keras that reads a model file: the writer's for .keras and .h5 (each records its Keras version),
+    tf_keras for a SavedModel directory. A path that is missing or not a model file gets an error saying which."""
     path = str(filepath)
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f"No model file at {path!r}: check the path (and that rank 0's file is where every "
+                                "rank can read it).")
     if path.endswith(".keras"):
-        return keras3()
-    if path.endswith((".h5", ".hdf5")):
+        version = keras_version_of_archive(path)
+    elif path.endswith((".h5", ".hdf5")):
         import h5py
-        with h5py.File(path, "r") as f:
-            version = f.attrs.get("keras_version", b"2")
-        if (version.decode() if isinstance(version, bytes) else str(version)).startswith("3"):
-            return keras3()
+        try:
+            with h5py.File(path, "r") as f:
+                version = f.attrs.get("keras_version", b"2")
+        except OSError as error:
+            raise ValueError(f"{path!r} is not a readable HDF5 file ({error}); it may be truncated or corrupted: "
+                             "load an earlier checkpoint, or write it again.") from None
+        version = version.decode() if isinstance(version, bytes) else str(version)
+    elif tf.io.gfile.isdir(path) and tf.io.gfile.exists(os.path.join(path, tf.saved_model.SAVED_MODEL_FILENAME_PB)):
+        version = "2"
+    else:
+        raise ValueError(f"{path!r} is not a Keras model file: load_model reads a .keras file, an .h5 file or a "
+                         "SavedModel directory (for weights alone, build the model and call model.load_weights).")
+    if version.startswith("3"):
+        return keras3()
     if tf_keras() is None:
-        raise ValueError(f"{path} is a tf_keras file (h5 or SavedModel); install tf_keras to load it.")
+        raise ValueError(f"{path} is a tf_keras file ({version}); install tf_keras to load it.")
     return tf_keras()

@@ -224,8 +224,8 @@ class TopKExchange:
 
 class OneBitAdam:
     """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
-    Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps exchanged
-    by onebit with the variance frozen. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow
+    Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps, clipped at
+    B = (1 - b1^t) / sqrt(1 - b2^T_w), exchanged by onebit with the variance frozen, and the step clipped at lr. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow
     computes Keras's x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
@@ -255,11 +255,14 @@ class OneBitAdam:
             self.v_hat = np.maximum(self.v_hat, self.v)
             x -= (self.m * np.float32(alpha)) / self.preconditioner()
             return
-        x -= self.compressed_step(grads, np.float32(alpha))
+        bound = (one - self.b1 ** np.float32(self.t)) / np.sqrt(one - self.b2 ** variance_step)
+        x -= np.clip(self.compressed_step(grads, np.float32(alpha), np.float32(bound)), -lr, lr)
 
-    def compressed_step(self, grads, alpha):
+    def compressed_step(self, grads, alpha, bound):
+        """The step before its clip at lr; bound: B, where the bias-corrected m / d is 1."""
         d = self.preconditioner()
-        mean = self.exchange.error_fed_mean([(self.m + (g - self.m) * self.keep_1) / d for g in grads])
+        mean = self.exchange.error_fed_mean([np.clip((self.m + (g - self.m) * self.keep_1) / d, -bound, bound)
+                                             for g in grads])
         self.m = mean * d
         return mean * alpha
 
@@ -271,7 +274,7 @@ class FrozenVarianceAdam(OneBitAdam):
     """Adam with its variance frozen after the warm-up (hvd_compress/adam.py), for a compressor with error
     feedback on gradients (`exchange`): m follows the exchanged mean gradient, v stays."""
 
-    def compressed_step(self, grads, alpha):
+    def compressed_step(self, grads, alpha, bound):
         self.m += (self.exchange.error_fed_mean(grads) - self.m) * self.keep_1
         return (self.m * alpha) / self.preconditioner()
 

@@ -67,6 +67,9 @@ def test_hierarchical_rules_match_the_numpy_reference_on_every_rank(layout, laun
     assert [tuple(r["layout"]) for r in results] == [(l, local, h, hosts) for h in range(hosts) for l in range(local)]
     assert all(r["digests"] == results[0]["digests"] for r in results)
     assert sorted(results[0]["digests"]) == sorted(rules_at(layout, full_matrix))
+    # On a single host nothing crosses a host link: rank 0 says so, once a plan; elsewhere nothing is said.
+    assert (results[0]["single_host_warnings"] > 0) == (hosts == 1)
+    assert all(r["single_host_warnings"] == 0 for r in results[1:])
 
 
 def test_hosts_of_unequal_sizes_are_refused_with_the_fix():

@@ -574,21 +574,28 @@ def test_momentum_error_feed_matches_the_tensorflow_ops(n, momentum, nesterov, s
 
 @SETTINGS
 @given(n=st.integers(0, 3 * ref.KCHUNK + 5), beta_1=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
-       epsilon=st.sampled_from([1e-7, 1e-3]), momentum_exchanged=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_fused_adam_kernels_match_numpy_and_the_tensorflow_ops(n, beta_1, epsilon, momentum_exchanged, seed):
+       epsilon=st.sampled_from([1e-7, 1e-3]), momentum_exchanged=st.booleans(), seed=st.integers(0, 2**16),
+       bound=st.sampled_from([np.inf, 30.0, 1.0]))
+def test_the_fused_adam_kernels_match_numpy_and_the_tensorflow_ops(n, beta_1, epsilon, momentum_exchanged, seed,
+                                                                    bound):
     """1-bit Adam's worker side and the receiving side of Adam with a frozen variance, each one pass, round as NumPy's
-    float32 and as the TensorFlow ops they replace (hvd_compress/adam.py before them)."""
+    float32 and as the TensorFlow ops they replace (hvd_compress/adam.py before them, then a clip)."""
     rng = np.random.default_rng(seed)
     g, m, e, mean = (rng.standard_normal(n).astype(np.float32) * np.float32(s) for s in (1, 0.3, 1e-3, 0.5))
     v = np.abs(rng.standard_normal(n).astype(np.float32)) * np.float32(1e-4)
     v[: n // 7] = 0  # coordinates that never had a gradient: d = epsilon
     alpha, b1, eps = np.float32(rng.uniform(1e-4, 1e-2)), np.float32(1.0 - beta_1), np.float32(epsilon)
     d = np.sqrt(v) + eps
-    a = ops.adam_momentum_feed(tf.constant(g), m, v, e, beta_1, epsilon)
-    np.testing.assert_array_equal(a.numpy(), (m + (g - m) * b1) / d + e)
+    bound, max_step = np.float32(bound), np.float32(bound) * alpha
+    a = ops.adam_momentum_feed(tf.constant(g), m, v, e, beta_1, epsilon, bound)
+    np.testing.assert_array_equal(a.numpy(), np.clip((m + (g - m) * b1) / d, -bound, bound) + e)
     tf_d = tf.sqrt(tf.constant(v)) + tf.cast(epsilon, tf.float32)
-    np.testing.assert_array_equal(a.numpy(), ((m + (g - m) * (1.0 - beta_1)) / tf_d + e).numpy())
-    m_new, delta = ops.adam_frozen_step(tf.constant(mean), m, v, alpha, beta_1, epsilon, momentum_exchanged)
+    np.testing.assert_array_equal(
+        a.numpy(), (tf.clip_by_value((m + (g - m) * (1.0 - beta_1)) / tf_d, -bound, bound) + e).numpy())
+    if n and bound < 2:
+        assert np.mean(np.abs((m + (g - m) * b1) / d) > bound) > 0.1  # the bound cuts
+    m_new, delta = ops.adam_frozen_step(tf.constant(mean), m, v, alpha, beta_1, epsilon, momentum_exchanged,
+                                        max_step)
     if momentum_exchanged:
         want_m, want_delta = mean * d, mean * alpha
         tf_m, tf_delta = mean * tf_d, mean * alpha
@@ -597,6 +604,8 @@ def test_the_fused_adam_kernels_match_numpy_and_the_tensorflow_ops(n, beta_1, ep
         want_delta = (want_m * alpha) / d
         tf_m = tf.constant(m) + (mean - m) * (1.0 - beta_1)
         tf_delta = (tf_m * alpha) / tf_d
+    want_delta = np.clip(want_delta, -max_step, max_step)
+    tf_delta = tf.clip_by_value(tf_delta, -max_step, max_step)
     for got, want, tf_want in ((m_new, want_m, tf_m), (delta, want_delta, tf_delta)):
         np.testing.assert_array_equal(got.numpy(), want)
         np.testing.assert_array_equal(got.numpy(), np.asarray(tf_want))

@@ -331,3 +331,30 @@ def test_a_drift_bound_that_cannot_apply_is_refused(max_drift, match):
     """A bad number of steps; a bound over the alltoall transport (the default), which runs in lockstep."""
     with pytest.raises(ValueError, match=match):
         hc.PushSumOptimizer(sgd(), max_drift=max_drift)
+
+
+@pytest.mark.parametrize("name, content, error, match", [
+    ("missing.keras", None, FileNotFoundError, "No model file at"),
+    ("cut.keras", b"PK\x03\x04 a save interrupted", ValueError, "truncated or corrupted"),
+    ("cut.h5", b"\x89HDF\r\n\x1a\n cut short", ValueError, "truncated or corrupted"),
+    ("notes.txt", b"not a model", ValueError, "not a Keras model file"),
+])
+def test_load_model_names_the_file_and_the_fix_where_it_cannot_read_it(tmp_path, name, content, error, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error, match=match) as raised:
+        hc.load_model(str(path))
+    assert str(path) in str(raised.value)
+
+
+def test_a_keras_file_tf_keras_wrote_is_read_by_tf_keras(tmp_path):
+    """tf_keras writes .keras archives too (ModelCheckpoint("x.keras")); Keras 3 cannot read its optimizer."""
+    model = keras.Sequential([keras.layers.Input([3]), keras.layers.Dense(2)])
+    model.compile(optimizer=hc.DistributedOptimizer(keras.optimizers.AdamW(1e-3)), loss="mse")
+    model.fit(np.ones([4, 3], np.float32), np.ones([4, 2], np.float32), verbose=0)
+    model.save(tmp_path / "tf_keras.keras")
+    loaded = hc.load_model(str(tmp_path / "tf_keras.keras"))
+    assert type(loaded.optimizer).__module__.startswith("hvd_compress") or hc.optimizer.is_distributed(loaded.optimizer)
+    assert type(loaded).__module__.startswith("tf_keras")
+    np.testing.assert_array_equal(loaded.get_weights()[0], model.get_weights()[0])

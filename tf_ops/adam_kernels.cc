@@ -40,10 +40,11 @@ class AdamMomentumFeedOp : public OpKernel {
     const float* vp = ctx->input(2).flat<float>().data();
     const float* ep = ctx->input(3).flat<float>().data();
     const float one_minus_beta_1 = ctx->input(4).scalar<float>()(), epsilon = ctx->input(5).scalar<float>()();
+    const float bound = ctx->input(6).scalar<float>()();
     float* out = a->flat<float>().data();
     ForEachChunk(ctx, g.NumElements(), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        out[i] = AdamMomentumFeedAt(gp[i], mp[i], vp[i], ep[i], one_minus_beta_1, epsilon);
+        out[i] = AdamMomentumFeedAt(gp[i], mp[i], vp[i], ep[i], one_minus_beta_1, epsilon, bound);
       }
     });
   }
@@ -67,13 +68,14 @@ class AdamFrozenStepOp : public OpKernel {
     const float* vp = ctx->input(2).flat<float>().data();
     const float alpha = ctx->input(3).scalar<float>()();
     const float one_minus_beta_1 = ctx->input(4).scalar<float>()(), epsilon = ctx->input(5).scalar<float>()();
+    const float max_step = ctx->input(6).scalar<float>()();
     float* m_out = m_new->flat<float>().data();
     float* delta_out = delta->flat<float>().data();
     const bool momentum_exchanged = momentum_exchanged_;
     ForEachChunk(ctx, mean.NumElements(), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        AdamFrozenStepAt(dp[i], mp[i], vp[i], alpha, one_minus_beta_1, epsilon, momentum_exchanged, &m_out[i],
-                         &delta_out[i]);
+        AdamFrozenStepAt(dp[i], mp[i], vp[i], alpha, one_minus_beta_1, epsilon, max_step, momentum_exchanged,
+                         &m_out[i], &delta_out[i]);
       }
     });
   }

@@ -30,11 +30,13 @@ REGISTER_OP("AdamMomentumFeed")
     .Input("e: float")
     .Input("one_minus_beta_1: float")
     .Input("epsilon: float")
+    .Input("bound: float")
     .Output("a: float")
     .SetShapeFn([](InferenceContext* c) { return SameShapes(c, 4, 1); })
     .Doc(R"doc(
-The worker's side of 1-bit Adam after its warm-up: a = (m + (g - m) * one_minus_beta_1) / (sqrt(v) + epsilon) + e,
-this rank's Adam momentum over the frozen d = sqrt(v) + epsilon plus its residual. Each operation rounded to
+The worker's side of 1-bit Adam after its warm-up:
+a = clamp((m + (g - m) * one_minus_beta_1) / (sqrt(v) + epsilon), -bound, bound) + e, this rank's Adam momentum over
+the frozen d = sqrt(v) + epsilon, no larger than bound, plus its residual (NaN stays NaN). Each operation rounded to
 float32 in this order, as the same TensorFlow ops would (no fused multiply-add), elementwise in one pass.
 )doc");
 
@@ -45,6 +47,7 @@ REGISTER_OP("AdamFrozenStep")
     .Input("alpha: float")
     .Input("one_minus_beta_1: float")
     .Input("epsilon: float")
+    .Input("max_step: float")
     .Output("m_new: float")
     .Output("delta: float")
     .Attr("momentum_exchanged: bool")
@@ -52,7 +55,8 @@ REGISTER_OP("AdamFrozenStep")
     .Doc(R"doc(
 The receiving side of Adam with the variance v frozen, from the exchanged mean, with d = sqrt(v) + epsilon:
 momentum_exchanged (1-bit Adam, the mean is of m / d): m_new = mean * d, delta = mean * alpha; else (the mean is a
-gradient): m_new = m + (mean - m) * one_minus_beta_1, delta = (m_new * alpha) / d. delta is what the variable loses.
+gradient): m_new = m + (mean - m) * one_minus_beta_1, delta = (m_new * alpha) / d; then delta is clamped to
+[-max_step, max_step] (NaN stays NaN). delta is what the variable loses.
 Rounded as the same TensorFlow ops would, elementwise in one pass.
 )doc");
 

@@ -154,26 +154,30 @@ HC_HOST_DEVICE inline void MomentumErrorFeedAt(float grad, float m, float e, flo
 }
 
 // ---- Adam with its variance frozen after a warm-up (Tang et al. 2021, 1-bit Adam), one element ----
-// d = sqrt(v) + eps, v frozen. The worker's side of 1-bit Adam: a = (m + (g - m) * (1 - b1)) / d + e, this rank's
-// momentum over d plus its residual.
+// x clamped to [-bound, bound]; NaN stays NaN.
+HC_HOST_DEVICE inline float ClampAt(float x, float bound) { return x > bound ? bound : (x < -bound ? -bound : x); }
+
+// d = sqrt(v) + eps, v frozen. The worker's side of 1-bit Adam: a = clamp((m + (g - m) * (1 - b1)) / d, bound) + e,
+// this rank's momentum over d, no larger than bound, plus its residual.
 HC_HOST_DEVICE inline float AdamMomentumFeedAt(float grad, float m, float v, float e, float one_minus_beta_1,
-                                               float epsilon) {
-  return (m + (grad - m) * one_minus_beta_1) / (sqrtf(v) + epsilon) + e;
+                                               float epsilon, float bound) {
+  return ClampAt((m + (grad - m) * one_minus_beta_1) / (sqrtf(v) + epsilon), bound) + e;
 }
 
 // The receiving side, from the exchanged mean D: where the momentum over d was exchanged (1-bit Adam),
 // m' = D d and delta = D alpha; where gradients were (Adam with a frozen variance), m' = m + (D - m) * (1 - b1) and
-// delta = (m' alpha) / d. delta is what the variable loses.
+// delta = (m' alpha) / d; delta clamped to [-max_step, max_step]. delta is what the variable loses.
 HC_HOST_DEVICE inline void AdamFrozenStepAt(float mean, float m, float v, float alpha, float one_minus_beta_1,
-                                            float epsilon, bool momentum_exchanged, float* m_new, float* delta) {
+                                            float epsilon, float max_step, bool momentum_exchanged, float* m_new,
+                                            float* delta) {
   const float d = sqrtf(v) + epsilon;
   if (momentum_exchanged) {
     *m_new = mean * d;
-    *delta = mean * alpha;
+    *delta = ClampAt(mean * alpha, max_step);
   } else {
     const float momentum = m + (mean - m) * one_minus_beta_1;
     *m_new = momentum;
-    *delta = (momentum * alpha) / d;
+    *delta = ClampAt((momentum * alpha) / d, max_step);
   }
 }
 

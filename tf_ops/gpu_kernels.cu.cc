@@ -414,7 +414,8 @@ class AdamMomentumFeedGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 3}, 0, g.shape(), &a));
     HC_LAUNCH(ctx, hc_adam_momentum_feed, Ptr<const float>(g), Ptr<const float>(ctx->input(1)),
               Ptr<const float>(ctx->input(2)), Ptr<const float>(ctx->input(3)), g.NumElements(),
-              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), Ptr<float>(*a), StreamOf(ctx));
+              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), ctx->input(6).scalar<float>()(),
+              Ptr<float>(*a), StreamOf(ctx));
   }
 };
 
@@ -432,8 +433,8 @@ class AdamFrozenStepGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 1, mean.shape(), &delta));
     HC_LAUNCH(ctx, hc_adam_frozen_step, Ptr<const float>(mean), Ptr<const float>(ctx->input(1)),
               Ptr<const float>(ctx->input(2)), mean.NumElements(), ctx->input(3).scalar<float>()(),
-              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), momentum_exchanged_ ? 1 : 0,
-              Ptr<float>(*m_new), Ptr<float>(*delta), StreamOf(ctx));
+              ctx->input(4).scalar<float>()(), ctx->input(5).scalar<float>()(), ctx->input(6).scalar<float>()(),
+              momentum_exchanged_ ? 1 : 0, Ptr<float>(*m_new), Ptr<float>(*delta), StreamOf(ctx));
   }
 
  private:
@@ -467,13 +468,15 @@ class ResourceDecayAndSubtractGpuOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("AdamMomentumFeed")
                             .Device(DEVICE_GPU)
                             .HostMemory("one_minus_beta_1")
-                            .HostMemory("epsilon"),
+                            .HostMemory("epsilon")
+                            .HostMemory("bound"),
                         AdamMomentumFeedGpuOp);
 REGISTER_KERNEL_BUILDER(Name("AdamFrozenStep")
                             .Device(DEVICE_GPU)
                             .HostMemory("alpha")
                             .HostMemory("one_minus_beta_1")
-                            .HostMemory("epsilon"),
+                            .HostMemory("epsilon")
+                            .HostMemory("max_step"),
                         AdamFrozenStepGpuOp);
 REGISTER_KERNEL_BUILDER(Name("ResourceDecayAndSubtract").Device(DEVICE_GPU).HostMemory("decay"),
                         ResourceDecayAndSubtractGpuOp);

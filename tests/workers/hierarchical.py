@@ -261,7 +261,9 @@ def fit():
 
 
 def rules():
-    """Every case of --cases against its reference on this rank: {case: digest}, and the layout Horovod saw."""
+    """Every case of --cases against its reference on this rank: {case: digest}, the layout Horovod saw, and the
+    warnings logged about a single host."""
+    logged = LoggedLines.attach()
     hosts, local = hvd.cross_size(), hvd.local_size()
     cases = {"onebit two-way": ("onebit", hc.Compression.onebit()),
              "onebit one-way blocks": ("onebit", hc.Compression.onebit(block_size=64, two_way=False)),
@@ -303,7 +305,8 @@ def rules():
                                    err_msg=f"{hosts}x{local} {name}: the uncompressed variable")
         assert np.abs(w).max() > 0.01, name
         digests[name] = hashlib.sha256(w.tobytes() + b.tobytes()).hexdigest()
-    return dict(digests=digests, layout=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()])
+    return dict(digests=digests, layout=[hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()],
+                single_host_warnings=sum("on a single host" in line for line in logged.lines))
 
 
 def main(_):

@@ -47,10 +47,10 @@ int hc_momentum_error_feed(const float* g, const float* m, const float* e, int64
 // ---- Adam with a frozen variance (adam_kernels.cu): AdamMomentumFeed, AdamFrozenStep, ResourceDecayAndSubtract.
 // a may be g or e; m_new may be m; delta may be mean.
 int hc_adam_momentum_feed(const float* g, const float* m, const float* v, const float* e, int64_t n,
-                          float one_minus_beta_1, float epsilon, float* a, hc_stream stream);
+                          float one_minus_beta_1, float epsilon, float bound, float* a, hc_stream stream);
 int hc_adam_frozen_step(const float* mean, const float* m, const float* v, int64_t n, float alpha,
-                        float one_minus_beta_1, float epsilon, int momentum_exchanged, float* m_new, float* delta,
-                        hc_stream stream);
+                        float one_minus_beta_1, float epsilon, float max_step, int momentum_exchanged, float* m_new,
+                        float* delta, hc_stream stream);
 // x[i] = (x[i] - x[i] * decay) - delta[i], in place.
 int hc_decay_and_subtract(float* x, const float* delta, int64_t n, float decay, hc_stream stream);
 
