@@ -175,6 +175,15 @@ def test_metric_average_callback_averages_the_logs_over_the_ranks(features):
             assert averaged[0][epoch][key] == averaged[1][epoch][key] == pytest.approx(mean, rel=1e-6), key
 
 
+def test_tensorboard_on_rank_0_records_the_compression_metrics(features):
+    """keras.callbacks.TensorBoard after hc.callbacks.CompressionMetrics, on rank 0 (as the docs suggest), in either
+    Keras: it is in the set-up, and it records the compression's figures beside the loss."""
+    tags = features[0]["metrics"]["tensorboard"]
+    for name in ("loss", "bytes_per_step", "compression_ratio", "residual_norm"):
+        assert any(tag.endswith(name) for tag in tags), (name, tags)
+    assert features[1]["metrics"]["tensorboard"] == []
+
+
 def test_jit_compile_fails_at_the_first_step_with_the_fix(keras, tmp_path):
     code = """
 import hvd_compress as hc, numpy as np, tensorflow as tf

@@ -91,11 +91,11 @@ def test_the_guard_lets_one_rank_train(tmp_path):
     assert rank["guard"] == {"refused": None, "opted_out_refused": None, "size": 1}
 
 
-@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
-def test_the_readmes_custom_loop_runs_as_written(keras):
+def test_the_readmes_custom_loop_runs_as_written():
     """The README's custom-loop code block, with the broadcasts it asks for, at 2 ranks with different initial
-    weights: the ranks end identical and the loss falls."""
-    ranks = run_ranks("readme_loop.py", np=2, timeout=300, env=KERASES[keras])
+    weights, under Keras 3 (where Horovod's own broadcast fails; tf_keras's loop: workers/wrapping.py's tape case):
+    the ranks end identical and the loss falls."""
+    ranks = run_ranks("readme_loop.py", np=2, timeout=300, env=KERASES["keras3"])
     assert ranks[0]["digest"] == ranks[1]["digest"]
     for rank in ranks:
         assert sum(rank["losses"][-5:]) < 0.8 * sum(rank["losses"][:5]), rank["losses"]

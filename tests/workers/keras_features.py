@@ -16,7 +16,10 @@ uncompressed exchange and to the same method fed the gradient clipped by hand.
 metrics: hc.callbacks.MetricAverageCallback on ranks with different data: the logs a
 later callback sees are the ranks' average.
 """
+import glob
 import hashlib
+import os
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -231,16 +234,30 @@ class EpochLogs(tf.keras.callbacks.Callback):
         self.seen.append({key: float(value) for key, value in logs.items()})
 
 
+def tensorboard_tags(log_dir):
+    """The scalar tags in the TensorBoard event files under log_dir."""
+    tags = set()
+    for path in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(value.tag for value in event.summary.value)
+    return sorted(tags)
+
+
 def averaged_metrics(keras):
+    """MetricAverageCallback's logs beside each rank's own, with CompressionMetrics and, on rank 0, Keras's
+    TensorBoard after them (as the docs suggest): the tags TensorBoard wrote."""
     tf.keras.utils.set_random_seed(0)
     model = model_for(keras, "mlp")
     model.compile(optimizer=wrap(keras.optimizers.SGD(0.05), "onebit"), metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = data("mlp", hvd_tf.rank())
     local, averaged = EpochLogs(), EpochLogs()
+    log_dir = tempfile.mkdtemp(prefix="tensorboard")
+    board = [keras.callbacks.TensorBoard(log_dir)] if hvd_tf.rank() == 0 else []
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-              callbacks=[BROADCAST(0), local, hc.callbacks.MetricAverageCallback(), averaged])
-    return dict(local=local.seen, averaged=averaged.seen)
+              callbacks=[BROADCAST(0), local, hc.callbacks.MetricAverageCallback(), averaged,
+                         hc.callbacks.CompressionMetrics(), *board])
+    return dict(local=local.seen, averaged=averaged.seen, tensorboard=tensorboard_tags(log_dir))
 
 
 def run_case(keras, case):
