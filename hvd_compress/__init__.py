@@ -10,8 +10,9 @@ from hvd_compress.optimizer import DistributedGradientTape, DistributedOptimizer
 from hvd_compress import accordion, callbacks, compressor, elastic, exchange, gossip, methods, state
 from hvd_compress.gossip import PushSumOptimizer
 from hvd_compress.callbacks import broadcast_variables
+from hvd_compress.uneven import stop_together
 
 __version__ = "0.1.0"
 __all__ = ["accordion", "broadcast_variables", "Compression", "Compressor", "DistributedGradientTape",
            "DistributedOptimizer", "GradientExchange", "PushSumOptimizer", "callbacks", "compressor", "elastic", "exchange", "gossip",
-           "load_model", "methods", "require_legacy_keras", "state"]
+           "load_model", "methods", "require_legacy_keras", "state", "stop_together"]

@@ -3,15 +3,17 @@ so in TensorBoard), Accordion's adaptive compression and batch size, SGP's conse
 callbacks that Horovod's Keras layer cannot run under Keras 3 (broadcasting the initial state,
 averaging metrics).
 
-They subclass tf_keras's Callback, which Keras 3's model.fit runs as well (it calls the same
-hooks and needs no more)."""
+They subclass the Callback of the Keras that `tf.keras` is: TF_USE_LEGACY_KERAS decides, as it decides the
+user's own `tf.keras` (tf_keras under TF_USE_LEGACY_KERAS=1, else Keras 3), so importing hvd_compress imports
+no other Keras."""
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 import horovod.tensorflow as hvd
-from hvd_compress import accordion, gossip
+from hvd_compress import accordion, gossip, uneven
 from hvd_compress.keras_compat import WrapperCore, is_distributed, sgd_classes
+
+Callback = tf.keras.callbacks.Callback
 
 
 def hc_optimizer(model):
@@ -30,8 +32,8 @@ def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_s
     tf.Variables and Keras 3's variables alike, in one collective: the variables' bytes travel as one uint8
     buffer (each dtype bit for bit). Horovod's own traces a function of one broadcast a variable for every new
     list of variables, which costs a model.fit more than the broadcast itself on small models and sends one
-    collective a variable."""
-    variables = [tf_variable(v) for v in variables]
+    collective a variable. `variables` may be tf_keras's `optimizer.variables`, a method (Keras 3's is a list)."""
+    variables = [tf_variable(v) for v in (variables() if callable(variables) else variables)]
     if not variables:
         return
     pieces = [tf.reshape(tf.bitcast(_as_bitcastable(v.read_value()), tf.uint8), [-1]) for v in variables]
@@ -97,10 +99,43 @@ def check_distributed_training(model, params, process_set=hvd.global_process_set
             "smallest count), or pass model.fit(..., steps_per_epoch=N) with the same N everywhere.")
 
 
-class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
+def stop_together_of(model):
+    """The uneven.StopTogether of the model's hvd_compress optimizer; None for another optimizer."""
+    process_set = getattr(hc_optimizer(model), "hc_process_set", None)
+    return None if process_set is None else uneven.for_process_set(process_set)
+
+
+def stop_together_in_fit(model, params, on):
+    """At model.fit's start (on=True) and end: where the data's length is unknown (Keras's params["steps"]
+    is None) and more than one rank trains, the ranks end each epoch together where the first runs out
+    (uneven.StopTogether; model.train_function in an uneven.EndsTogether while the fit runs)."""
+    agreement = stop_together_of(model)
+    if agreement is None or agreement.process_set.size() == 1:
+        return
+    if on and (params or {}).get("steps") is None:
+        agreement.turn(True)
+        if not isinstance(model.train_function, uneven.EndsTogether):
+            model.train_function = uneven.EndsTogether(model.train_function, agreement)
+    elif not on and agreement.on:
+        agreement.turn(False)
+        if isinstance(model.train_function, uneven.EndsTogether):
+            model.train_function = model.train_function.train_function
+
+
+def end_of_epoch_steps(model):
+    """The first hook after an epoch's steps (validation's start, or the epoch's end), before any collective
+    of a callback: this rank's StopTogether ends the pass (the ranks whose epoch Keras ended by its count of
+    steps, not by the data running out, say so to any rank still in a step)."""
+    agreement = stop_together_of(model)
+    if agreement is not None:
+        agreement.end()
+
+
+class _DistributedTrainingCallback(Callback):
     """What BroadcastGlobalVariablesCallback and MetricAverageCallback share: check_distributed_training
-    at on_train_begin (where allow_undistributed is False), and the check that the first step went
-    through the wrapper."""
+    at on_train_begin (where allow_undistributed is False), the check that the first step went
+    through the wrapper, and the ranks ending each epoch together on data of unknown length
+    (stop_together_in_fit)."""
 
     def __init__(self, process_set=hvd.global_process_set, allow_undistributed=False):
         super().__init__()
@@ -112,8 +147,21 @@ class _DistributedTrainingCallback(tf_keras.callbacks.Callback):
         plan_fit(self.model, self.params)
         if not self.allow_undistributed:
             check_distributed_training(self.model, self.params, self.process_set)
+        stop_together_in_fit(self.model, self.params, on=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        agreement = stop_together_of(self.model)
+        if agreement is not None:
+            agreement.begin_pass()
+
+    def on_test_begin(self, logs=None):
+        end_of_epoch_steps(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        end_of_epoch_steps(self.model)
 
     def on_train_end(self, logs=None):
+        stop_together_in_fit(self.model, self.params, on=False)
         exchange = getattr(hc_optimizer(self.model), "compression_exchange", None)
         if exchange is not None:
             exchange.note_fit_end(int(hc_optimizer(self.model).iterations.numpy()))
@@ -173,13 +221,14 @@ class MetricAverageCallback(_DistributedTrainingCallback):
         super().__init__(process_set, allow_undistributed)
 
     def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
         for key in sorted(logs or {}):  # the same order on every rank
             if np.ndim(logs[key]) == 0 and np.issubdtype(np.asarray(logs[key]).dtype, np.number):
                 logs[key] = float(hvd.allreduce(tf.constant(float(logs[key]), tf.float64), op=hvd.Average,
                                                 process_set=self.process_set, name=f"hc.metric.{key}"))
 
 
-class Consensus(tf_keras.callbacks.Callback):
+class Consensus(Callback):
     """For SGP (hvd_compress.PushSumOptimizer), whose ranks hold different models while they train: once every
     rank has finished its own steps, every rank's model becomes the exact average of all ranks' models
     (gossip.consensus: one allreduce of the models; over MPI the messages still in flight are first taken out of
@@ -210,10 +259,12 @@ class Consensus(tf_keras.callbacks.Callback):
         self.stepped = True
 
     def on_test_begin(self, logs=None):  # fit's validation runs after the epoch's steps, before on_epoch_end
+        end_of_epoch_steps(self.model)
         if self.every_epoch:
             self._average()
 
     def on_epoch_end(self, epoch, logs=None):
+        end_of_epoch_steps(self.model)
         if self.every_epoch:
             self._average()
 
@@ -226,7 +277,7 @@ class Consensus(tf_keras.callbacks.Callback):
             self.stepped = False
 
 
-class CompressionMetrics(tf_keras.callbacks.Callback):
+class CompressionMetrics(Callback):
     """Adds, at every epoch end, to the Keras logs:
 
     - bytes_per_step: bytes one worker sends per step through hvd_compress
@@ -268,7 +319,7 @@ class CompressionMetrics(tf_keras.callbacks.Callback):
             exchange.recall_totals.assign(tf.zeros([3]))
 
 
-class _RegimeSwitching(tf_keras.callbacks.Callback):
+class _RegimeSwitching(Callback):
     """What Accordion's two callbacks share: the detection interval, one decision on every
     rank at the start of each interval (hvd_compress/accordion.py), bytes and logs."""
 

@@ -300,6 +300,10 @@ class _PushSumOptimizerMixin(WrapperCore):
     def pushsum(self):
         return self._hc_pushsum
 
+    @property
+    def hc_process_set(self):
+        return self._hc_pushsum.process_set
+
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         # w_i and the mass in flight: in checkpoints, with their owner; never in optimizer.variables
         # (which Horovod broadcasts) nor in model files. Over MPI the mass in flight comes out of MPI first.

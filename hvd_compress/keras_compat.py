@@ -12,7 +12,8 @@ of the two entry points below:
   inner optimizer: `agree_on_overflows_in_keras3` adds one, so every rank skips an overflowed step
   together (otherwise the ranks that skip leave the others waiting in a collective).
 
-A wrapper's core implements `_hc_agree_on_finiteness(grads)` and `_hc_step(grads_and_vars)`.
+A wrapper's core implements `_hc_agree_on_finiteness(grads)`, `_hc_step(grads_and_vars)` and
+`hc_process_set`. Each entry point runs the first collective of a step inside `_hc_first_in_step`.
 """
 import contextlib
 import functools
@@ -22,7 +23,7 @@ import threading
 
 import tensorflow as tf
 
-from hvd_compress import state
+from hvd_compress import state, uneven
 
 
 def _module(name):
@@ -189,6 +190,8 @@ def refuse_saved_process_set(ranks, wrapper):
 
 #: Set by hvd_compress.load_model while it loads: (inner optimizer, saved factory, saved settings) -> wrapper.
 _loading = threading.local()
+#: set by a LossScaleOptimizer's overflow check of a step, taken by the step (WrapperCore._hc_first_in_step)
+_step = threading.local()
 
 
 @contextlib.contextmanager
@@ -200,6 +203,11 @@ def rewrapping(rewrap):
         yield
     finally:
         _loading.rewrap = previous
+
+
+#: in a wrapper's saved config, for whoever loads the file without hvd_compress
+LOADING = ("this optimizer is hvd_compress's: `import hvd_compress` and hvd.init() before loading the file to train "
+           "on, or load it with compile=False for inference")
 
 
 class WrapperCore:
@@ -215,6 +223,17 @@ class WrapperCore:
     #: set when a step of the wrapper is traced (or run): a model traced before the wrap runs without it
     _hc_stepped = False
 
+    def _hc_first_in_step(self, grads, overflow_check=False):
+        """The context of a step's first collective, after its gradients `grads`: its StopTogether's
+        agreement (once a step). A LossScaleOptimizer's overflow check comes first where it runs; the step
+        it then takes has none."""
+        if overflow_check:
+            _step.agreed = True
+        elif getattr(_step, "agreed", False):
+            _step.agreed = False
+            return contextlib.nullcontext()
+        return uneven.for_process_set(self.hc_process_set).first_in_step(grads)
+
     @classmethod
     def registered_name(cls):
         return f"hvd_compress>{cls.saved_name}"
@@ -227,8 +246,9 @@ class WrapperCore:
         unwrapped.__dict__.update(self.__dict__)
         inner = (keras.optimizers.serialize(unwrapped) if keras.__name__ == "keras" else
                  keras.optimizers.serialize(unwrapped, use_legacy_format=False))
-        # tf_keras reads is_legacy_optimizer to choose its optimizer classes.
-        return {"optimizer": inner, **self._hc_settings(), "is_legacy_optimizer": False}
+        # tf_keras reads is_legacy_optimizer to choose its optimizer classes. Keras 3's error for a class it cannot
+        # find (a file loaded where hvd_compress is not imported) quotes the config: LOADING says what to do.
+        return {"optimizer": inner, **self._hc_settings(), "is_legacy_optimizer": False, "to_load": LOADING}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -238,6 +258,7 @@ class WrapperCore:
                              "before loading it to train on, or load it with compile=False for inference.")
         settings = dict(config)
         settings.pop("is_legacy_optimizer", None)
+        settings.pop("to_load", None)
         inner_config = settings.pop("optimizer")
         keras = cls._hc_keras
         # Each Keras's optimizers.deserialize knows only some of its optimizers (Keras 3's not Lamb, tf_keras's
@@ -292,13 +313,17 @@ class TfKerasEntry:
     def aggregate_gradients(self, grads_and_vars):
         """What LossScaleOptimizer calls before it checks for an overflow: every rank agrees."""
         pairs = list(grads_and_vars)
-        grads = self._hc_agree_on_finiteness([g for g, _ in pairs])
+        grads = [g for g, _ in pairs]
+        with self._hc_first_in_step(grads, overflow_check=True):
+            grads = self._hc_agree_on_finiteness(grads)
         return list(zip(grads, [v for _, v in pairs]))
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
         """Exchanges whatever skip_gradients_aggregation says (it is about tf.distribute, and
         LossScaleOptimizer sets it)."""
-        return self._hc_step(list(grads_and_vars))
+        pairs = list(grads_and_vars)
+        with self._hc_first_in_step([g for g, _ in pairs]):
+            return self._hc_step(pairs)
 
     def _hc_wrapped_apply(self, grads_and_vars):
         """The wrapped optimizer's own update of these variables (it counts the step)."""
@@ -321,7 +346,9 @@ class Keras3Entry:
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
-        return self._hc_step(list(zip(grads, trainable_variables)))
+        pairs = list(zip(grads, trainable_variables))
+        with self._hc_first_in_step([g for g, _ in pairs]):
+            return self._hc_step(pairs)
 
     def _hc_wrapped_apply(self, grads_and_vars):
         """The wrapped optimizer's own update of these variables (it counts the step)."""
@@ -355,8 +382,12 @@ def agree_on_overflows_in_keras3():
 
     @functools.wraps(local_check)
     def check_finite(self, grads):
-        agree = getattr(self.inner_optimizer, "_hc_agree_on_finiteness", None)
-        return local_check(self, grads if agree is None else agree(list(grads)))
+        inner = self.inner_optimizer
+        if not isinstance(inner, WrapperCore):
+            return local_check(self, grads)
+        grads = list(grads)
+        with inner._hc_first_in_step(grads, overflow_check=True):
+            return local_check(self, inner._hc_agree_on_finiteness(grads))
 
     cls.check_finite = check_finite
 

@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, ops, state
+from hvd_compress import exchange, ops, state, uneven
 from hvd_compress.compression import Compression
 from hvd_compress.compressor import MOMENTUM_IN_FRONT
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
@@ -99,6 +99,10 @@ class _DistributedOptimizerMixin(WrapperCore):
             compression = compression_from_config(compression)
         return DistributedOptimizer(optimizer, compression=compression,
                                     op=getattr(hvd, op) if isinstance(op, str) else op, **settings)
+
+    @property
+    def hc_process_set(self):
+        return self._hc_exchange.process_set
 
     @property
     def compression_exchange(self):
@@ -414,7 +418,8 @@ class DistributedGradientTape:
         with tf.init_scope():
             self.exchange.build(variables)
         arranged, _ = self.exchange.arrange(zip(tf.nest.flatten(grads), variables), "A GradientExchange")
-        exchanged = self.exchange(arranged)
+        with uneven.for_process_set(self.exchange.process_set).first_in_step(arranged):
+            exchanged = self.exchange(arranged)
         position = {vid: i for i, vid in enumerate(self.exchange.variable_ids)}
         return tf.nest.pack_sequence_as(grads, [exchanged[position[id(v)]] for v in variables])
 

@@ -184,6 +184,20 @@ def test_tensorboard_on_rank_0_records_the_compression_metrics(features):
     assert features[1]["metrics"]["tensorboard"] == []
 
 
+@pytest.mark.parametrize("keras, other", [("keras3", "tf_keras"), ("tf_keras", "keras.src")])
+def test_importing_hvd_compress_imports_only_the_keras_in_use(keras, other, tmp_path):
+    """The docs' claim: hvd_compress imports no other Keras, and its callbacks are the Keras in use's callbacks."""
+    code = f"""
+import sys, hvd_compress as hc, tensorflow as tf
+assert issubclass(hc.callbacks.CompressionMetrics, tf.keras.callbacks.Callback)
+assert {other!r} not in sys.modules, "imported"
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=worker_env(KERASES[keras]), cwd=tmp_path)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 def test_jit_compile_fails_at_the_first_step_with_the_fix(keras, tmp_path):
     code = """
 import hvd_compress as hc, numpy as np, tensorflow as tf

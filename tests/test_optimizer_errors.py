@@ -358,3 +358,33 @@ def test_a_keras_file_tf_keras_wrote_is_read_by_tf_keras(tmp_path):
     assert type(loaded.optimizer).__module__.startswith("hvd_compress") or hc.optimizer.is_distributed(loaded.optimizer)
     assert type(loaded).__module__.startswith("tf_keras")
     np.testing.assert_array_equal(loaded.get_weights()[0], model.get_weights()[0])
+
+
+def test_a_keras3_file_loaded_without_hvd_compress_says_how_to_load_it(tmp_path):
+    """keras.models.load_model(compile=True) where hvd_compress is not imported: Keras 3's error quotes the saved
+    config, whose `to_load` names `import hvd_compress` and compile=False."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    save = f"""
+import numpy as np, keras, horovod.tensorflow as hvd, hvd_compress as hc
+hvd.init()
+model = keras.Sequential([keras.layers.Input([3]), keras.layers.Dense(2)])
+model.compile(optimizer=hc.DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+model.fit(np.ones([4, 3], np.float32), np.ones([4, 2], np.float32), verbose=0)
+model.save({str(tmp_path / "m.keras")!r})
+"""
+    load = f"""
+import sys, keras
+try:
+    keras.models.load_model({str(tmp_path / "m.keras")!r})
+except TypeError as error:
+    assert "hvd_compress" not in sys.modules
+    print(error)
+"""
+    for code in (save, load):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                                cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "`import hvd_compress`" in result.stdout and "compile=False" in result.stdout, result.stdout
