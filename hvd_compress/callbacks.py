@@ -6,6 +6,8 @@ averaging metrics).
 They subclass the Callback of the Keras that `tf.keras` is: TF_USE_LEGACY_KERAS decides, as it decides the
 user's own `tf.keras` (tf_keras under TF_USE_LEGACY_KERAS=1, else Keras 3), so importing hvd_compress imports
 no other Keras."""
+import sys
+
 import numpy as np
 import tensorflow as tf
 
@@ -13,7 +15,21 @@ import horovod.tensorflow as hvd
 from hvd_compress import accordion, gossip, uneven
 from hvd_compress.keras_compat import WrapperCore, is_distributed, sgd_classes
 
-Callback = tf.keras.callbacks.Callback
+
+
+class Callback(tf.keras.callbacks.Callback):
+    """The base of hvd_compress's callbacks: the Callback of the Keras that `tf.keras` is. tf_keras's model.fit
+    cannot run Keras 3's callbacks (it asks them for hooks they lack); Keras 3's runs tf_keras's."""
+
+    def set_model(self, model):
+        tf_keras = sys.modules.get("tf_keras")
+        if (tf.keras.callbacks.Callback.__module__.startswith("keras.") and tf_keras is not None
+                and isinstance(model, tf_keras.Model)):
+            raise TypeError(
+                f"hvd_compress.callbacks.{type(self).__name__} is a Keras 3 callback (tf.keras is Keras 3 here), and "
+                "this model is tf_keras's: set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported to train "
+                "tf_keras models (Horovod's Keras layer needs it too), or build the model with Keras 3.")
+        super().set_model(model)
 
 
 def hc_optimizer(model):
@@ -105,21 +121,23 @@ def stop_together_of(model):
     return None if process_set is None else uneven.for_process_set(process_set)
 
 
-def stop_together_in_fit(model, params, on):
-    """At model.fit's start (on=True) and end: where the data's length is unknown (Keras's params["steps"]
-    is None) and more than one rank trains, the ranks end each epoch together where the first runs out
-    (uneven.StopTogether; model.train_function in an uneven.EndsTogether while the fit runs)."""
+def stop_together_in_fit(model, params, on, process_set):
+    """At model.fit's start (on=True, a collective) and end: where any rank's data has an unknown length
+    (Keras's params["steps"] is None) and more than one rank trains, the ranks end each epoch together where
+    the first runs out (uneven.StopTogether; model.train_function in an uneven.EndsTogether while the fit
+    runs). A fit that raised left it on: the next fit sets it again."""
     agreement = stop_together_of(model)
     if agreement is None or agreement.process_set.size() == 1:
         return
-    if on and (params or {}).get("steps") is None:
-        agreement.turn(True)
-        if not isinstance(model.train_function, uneven.EndsTogether):
-            model.train_function = uneven.EndsTogether(model.train_function, agreement)
-    elif not on and agreement.on:
-        agreement.turn(False)
-        if isinstance(model.train_function, uneven.EndsTogether):
-            model.train_function = model.train_function.train_function
+    unknown = on and any(hvd.allgather_object((params or {}).get("steps") is None, process_set=process_set,
+                                              name="hc.unknown_length"))
+    agreement.turn(unknown)
+    wrapped = isinstance(model.train_function, uneven.EndsTogether)
+    if unknown and not wrapped:
+        steps_per_execution = int(np.asarray(getattr(model, "steps_per_execution", 1) or 1))
+        model.train_function = uneven.EndsTogether(model.train_function, agreement, steps_per_execution)
+    elif wrapped and not unknown:
+        model.train_function = model.train_function.train_function
 
 
 def end_of_epoch_steps(model):
@@ -147,7 +165,7 @@ class _DistributedTrainingCallback(Callback):
         plan_fit(self.model, self.params)
         if not self.allow_undistributed:
             check_distributed_training(self.model, self.params, self.process_set)
-        stop_together_in_fit(self.model, self.params, on=True)
+        stop_together_in_fit(self.model, self.params, True, self.process_set)
 
     def on_epoch_begin(self, epoch, logs=None):
         agreement = stop_together_of(self.model)
@@ -161,7 +179,7 @@ class _DistributedTrainingCallback(Callback):
         end_of_epoch_steps(self.model)
 
     def on_train_end(self, logs=None):
-        stop_together_in_fit(self.model, self.params, on=False)
+        stop_together_in_fit(self.model, self.params, False, self.process_set)
         exchange = getattr(hc_optimizer(self.model), "compression_exchange", None)
         if exchange is not None:
             exchange.note_fit_end(int(hc_optimizer(self.model).iterations.numpy()))

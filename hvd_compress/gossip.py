@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import exchange, ops, p2p, state
+from hvd_compress import exchange, ops, p2p, state, uneven
 from hvd_compress.keras_compat import (WrapperCore, refuse_saved_process_set, refuse_wrapped, register_loader,
                                        saved_process_set, wrap_in_place)
 from hvd_compress.gradient_exchange import check_known_variables
@@ -129,6 +129,7 @@ class PushSum:
         self.graph, self.overlap, self.average_every = graph, overlap, average_every or 0
         self.max_drift = max_drift
         self.process_set, self.name, self.transport = process_set, name, transport
+        uneven.for_process_set(process_set)  # its variables now: made in a traced step, they would retrace it
         self.mailbox = None  # transport="mpi": this process's p2p.Mailbox, from the first plan on
         self.agreement = state.RanksAgreement()  # due at the first step of each plan
         self.built = False

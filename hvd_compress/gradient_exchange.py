@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_compress import adam, exchange, hosts, ops, rules, state  # adam: registers its rules
+from hvd_compress import adam, exchange, hosts, ops, rules, state, uneven  # adam: registers its rules
 from hvd_compress.compressor import UPDATE_RULES, NoneCompressor, StatefulCompressor
 from hvd_compress.accordion import AdaptiveCompression
 from hvd_compress.state import PER_RANK, REPLICATED, RankLocalState, StateSpec, safe_name
@@ -113,6 +113,7 @@ class GradientExchange(tf.Module):
         #: the optimizer step at which the coming model.fit ends (plan_fit), and the fit last warned about
         self.fit_end, self._warned_fit_end = None, None
         self.compression, self.process_set = compression, process_set
+        uneven.for_process_set(process_set)  # its variables now: made in a traced step, they would retrace it
         self.op, self.predivide, self.sparse_as_dense = op, gradient_predivide_factor, sparse_as_dense
         self.min_compress_size, self.fusion_threshold_bytes = min_compress_size, fusion_threshold_bytes
         self.collective_name = name

@@ -190,8 +190,6 @@ def refuse_saved_process_set(ranks, wrapper):
 
 #: Set by hvd_compress.load_model while it loads: (inner optimizer, saved factory, saved settings) -> wrapper.
 _loading = threading.local()
-#: set by a LossScaleOptimizer's overflow check of a step, taken by the step (WrapperCore._hc_first_in_step)
-_step = threading.local()
 
 
 @contextlib.contextmanager
@@ -228,9 +226,9 @@ class WrapperCore:
         agreement (once a step). A LossScaleOptimizer's overflow check comes first where it runs; the step
         it then takes has none."""
         if overflow_check:
-            _step.agreed = True
-        elif getattr(_step, "agreed", False):
-            _step.agreed = False
+            object.__setattr__(self, "_hc_overflow_checked", True)
+        elif self.__dict__.get("_hc_overflow_checked"):
+            object.__setattr__(self, "_hc_overflow_checked", False)
             return contextlib.nullcontext()
         return uneven.for_process_set(self.hc_process_set).first_in_step(grads)
 

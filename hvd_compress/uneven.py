@@ -40,19 +40,18 @@ class StopTogether:
     NAME = "hc.every_rank_has_a_batch"
 
     def __init__(self, process_set):
+        """Made (for_process_set) where a wrapper or a GradientExchange is made, not in a traced step: a variable
+        made while a tf.function traces makes it trace again."""
         self.process_set = process_set
-        self._on = self._drawn = None  # variables, made at first use (outside any traced step)
         self._pass_ended = False
         self._answer = tf.function(self._agree)  # the same collective as the steps', run alone
-
-    def _variables(self):
-        if self._on is None:
-            with tf.init_scope():
-                # Per rank, never saved: plain variables of this object, which no Keras object tracks.
-                self._on = tf.Variable(False, trainable=False, name="hc_stop_together_on")
-                # 0, or what a step of this rank drew: minus one minus the rank that ran out (the highest)
-                self._drawn = tf.Variable(0, trainable=False, name="hc_stop_together_drawn")
-        return self._on, self._drawn
+        with tf.init_scope():
+            # Per rank, never saved: plain variables of this object, which no Keras object tracks.
+            self._on = tf.Variable(False, trainable=False, name="hc_stop_together_on")
+            # 0, or what a step of this rank drew: minus one minus the rank that ran out (the highest)
+            self._drawn = tf.Variable(0, trainable=False, name="hc_stop_together_drawn")
+            # steps that every rank agreed to take
+            self._agreed = tf.Variable(0, trainable=False, dtype=tf.int64, name="hc_stop_together_agreed")
 
     def _agree(self, has_batch):
         # A named collective fed by a tensor that is not a constant (the graph optimizer would fold it away).
@@ -61,37 +60,49 @@ class StopTogether:
 
     @property
     def on(self):
-        return bool(self._variables()[0].numpy())
+        return bool(self._on.numpy())
 
     def turn(self, on):
-        self._variables()[0].assign(bool(on))
+        self._on.assign(bool(on))
         self._pass_ended = False
 
     def begin_pass(self):
         """Where a pass over the data (an epoch) begins."""
         self._pass_ended = False
 
+    @property
+    def steps_agreed(self):
+        """Steps that every rank agreed to take, so far."""
+        return int(self._agreed.numpy())
+
     @contextlib.contextmanager
     def first_in_step(self, grads):
         """Around the first collective of a step and everything after it: while on, every rank first
         agrees that each has a batch; where one has none, nothing in the context runs and the step raises
-        OutOfRangeError. The agreement waits for the step's gradients `grads` (None where absent): a rank
-        whose batch does not come must not say it has one (in a graph, ops that do not depend on the
-        data may run before the data's end is found)."""
-        on, drawn = self._variables()
+        OutOfRangeError. The agreement waits for one of the step's gradients `grads` (None where absent),
+        the last, which backpropagation computes first: a rank whose batch does not come must not say it
+        has one (in a graph, ops that do not depend on the data may run before the data's end is found).
+        On one rank there is nothing to agree on, and nothing is added to the step."""
+        if self.process_set.size() == 1:
+            yield
+            return
 
         def agree():
-            everyone = self._agree(tf.cast(on.read_value(), tf.int32))
+            everyone = self._agree(tf.cast(self._on.read_value(), tf.int32))
 
             def stop():
-                with tf.control_dependencies([drawn.assign(everyone)]):
+                with tf.control_dependencies([self._drawn.assign(everyone)]):
                     return tf.py_function(_out_of_data, [-everyone - 1], tf.bool)  # raises OutOfRangeError
 
-            return tf.cond(everyone > 0, lambda: tf.constant(True), stop)
+            def go_on():
+                with tf.control_dependencies([self._agreed.assign_add(1)]):
+                    return tf.constant(True)
 
-        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
-                                      for g in grads if g is not None]):
-            agreed = tf.cond(on.read_value(), agree, lambda: tf.constant(True))
+            return tf.cond(everyone > 0, go_on, stop)
+
+        data = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None][-1:]
+        with tf.control_dependencies(data):
+            agreed = tf.cond(self._on.read_value(), agree, lambda: tf.constant(True))
         with tf.control_dependencies([agreed]):
             yield
 
@@ -131,17 +142,24 @@ def _out_of_data(rank):
 
 class EndsTogether:
     """model.train_function, for model.fit with data of unknown length (hvd_compress's callbacks put it in
-    place): where this rank's data runs out, its StopTogether ends the pass before Keras ends the epoch."""
+    place): where this rank's data runs out, its StopTogether ends the pass before Keras ends the epoch,
+    and before any other callback runs. With steps_per_execution > 1, Keras 3 runs the steps of one call
+    while data comes and returns with fewer where it ran out: that too is the end of this rank's data."""
 
-    def __init__(self, train_function, stop_together):
+    def __init__(self, train_function, stop_together, steps_per_execution=1):
         self.train_function, self.stop_together = train_function, stop_together
+        self.steps_per_execution = steps_per_execution
 
     def __call__(self, iterator):
+        before = self.stop_together.steps_agreed if self.steps_per_execution > 1 else None
         try:
-            return self.train_function(iterator)
+            outputs = self.train_function(iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             self.stop_together.end()
             raise
+        if before is not None and self.stop_together.steps_agreed - before < self.steps_per_execution:
+            self.stop_together.end()
+        return outputs
 
 
 @contextlib.contextmanager
@@ -154,7 +172,8 @@ def stop_together(process_set=hvd.global_process_set):
                 for x, y in dataset:
                     train_step(x, y)
 
-    The steps' first collective must be hvd_compress's (a DistributedOptimizer's, a PushSumOptimizer's or a
+    Every rank must have traced its step (run one) before a pass in which it has no batch at all: the
+    first trace runs collectives of its own. The steps' first collective must be hvd_compress's (a DistributedOptimizer's, a PushSumOptimizer's or a
     DistributedGradientTape's, on `process_set`): each costs one 4-byte allreduce more inside the context. A
     step that finds another rank out of data raises OutOfRangeError, which leaves the loop, and the context
     ends there without it; every rank then has run the same steps."""
