@@ -80,6 +80,19 @@ def test_decode_mean_matches_numpy_bit_exact(layout, bits, ranks, data_seed, plu
     assert_bits_equal(qops.block_quantize_decode_mean(*flat, bounds, bits, extra).numpy(), want)
 
 
+@pytest.mark.parametrize("ranks", [8, 16, 17])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decode_mean_of_many_payloads_matches_numpy_bit_exact(bits, ranks):
+    """The vector loop keeps up to 16 payloads' scales in registers and multiplies by 1 / m where m is a power of
+    two; 17 payloads take the other loop. Every count gives NumPy's bits."""
+    sizes, n = [1000, 37, 4096], 5133
+    bounds = ops.layout_bounds(sizes, 256)
+    payloads = [qops.block_quantize(sample(n, r), bounds, bits, True, (r, 7)) for r in range(ranks)]
+    packed, scales, offsets = (tf.stack([p[j] for p in payloads]) for j in range(3))
+    want = ref.block_quantize_decode_mean(packed.numpy(), scales.numpy(), offsets.numpy(), bounds, bits)
+    assert_bits_equal(qops.block_quantize_decode_mean(packed, scales, offsets, bounds, bits).numpy(), want)
+
+
 @SETTINGS
 @given(layout=LAYOUTS, bits=BITS, stochastic=st.booleans(), data_seed=st.integers(0, 2**16))
 def test_residual_is_x_less_decode_and_errors_are_bounded(layout, bits, stochastic, data_seed):

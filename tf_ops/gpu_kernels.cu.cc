@@ -903,27 +903,8 @@ class BlockQuantizeDecodeMeanGpuOp : public OpKernel {
     const Tensor& offsets = ctx->input(2);
     const Tensor& bounds = ctx->input(3);
     const Tensor& plus = ctx->input(4);
-    OP_REQUIRES(ctx, bounds.dims() == 1 && bounds.NumElements() > 0,
-                InvalidArgument("bounds must be a non-empty vector, got shape ", bounds.shape().DebugString()));
-    const int64_t num_blocks = bounds.NumElements() - 1;
-    const int64_t n = bounds.flat<int64_t>()(num_blocks);
-    OP_REQUIRES_OK(ctx, ValidateBounds(bounds, n));
-    const int64_t num_bytes = QuantizePackedBytes(n, bits_);
-    OP_REQUIRES(ctx, packed.dims() == 2 && scales.dims() == 2 && offsets.dims() == 2,
-                InvalidArgument("packed, scales and offsets must have rank 2 ([m, ...]), got shapes ",
-                                packed.shape().DebugString(), ", ", scales.shape().DebugString(), " and ",
-                                offsets.shape().DebugString()));
-    const int64_t m = packed.dim_size(0);
-    OP_REQUIRES(ctx,
-                packed.dim_size(1) == num_bytes && scales.dim_size(0) == m && scales.dim_size(1) == num_blocks &&
-                    offsets.shape() == scales.shape(),
-                InvalidArgument("payload does not match bounds: expected packed [", m, ", ", num_bytes,
-                                "] and scales and offsets [", m, ", ", num_blocks, "] for n=", n, ", ", num_blocks,
-                                " blocks and bits=", bits_, ", got ", packed.shape().DebugString(), ", ",
-                                scales.shape().DebugString(), " and ", offsets.shape().DebugString()));
-    OP_REQUIRES(ctx, m > 0, InvalidArgument("block_quantize_decode_mean needs at least one payload"));
-    OP_REQUIRES(ctx, plus.NumElements() == n || plus.NumElements() == 0,
-                InvalidArgument("plus must have n=", n, " elements, or none, got shape ", plus.shape().DebugString()));
+    int64_t n, m, num_blocks;
+    OP_REQUIRES_OK(ctx, checks::QuantizePayloads(packed, scales, offsets, bounds, plus, bits_, &n, &m, &num_blocks));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &y));
     if (n == 0) return;

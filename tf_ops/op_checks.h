@@ -161,6 +161,39 @@ inline absl::Status PushSumShareInputs(tensorflow::OpKernelContext* ctx, tensorf
   return absl::OkStatus();
 }
 
+// BlockQuantizeDecodeMean's payloads: m >= 1 stacked payloads, packed
+// uint8 [m, ceil(n * bits / 8)], scales and offsets float32 [m, B], against bounds (n = bounds[B]); plus float32 [n]
+// or empty. Sets *n, *m and *num_blocks.
+inline absl::Status QuantizePayloads(const Tensor& packed, const Tensor& scales, const Tensor& offsets,
+                                     const Tensor& bounds, const Tensor& plus, int bits, int64_t* n, int64_t* m,
+                                     int64_t* num_blocks) {
+  if (bounds.dims() != 1 || bounds.NumElements() == 0) {
+    return InvalidArgument("bounds must be a non-empty vector, got shape ", bounds.shape().DebugString());
+  }
+  *num_blocks = bounds.NumElements() - 1;
+  *n = bounds.flat<int64_t>()(*num_blocks);
+  TF_RETURN_IF_ERROR(ValidateBounds(bounds, *n));
+  const int64_t num_bytes = QuantizePackedBytes(*n, bits);
+  if (packed.dims() != 2 || scales.dims() != 2 || offsets.dims() != 2) {
+    return InvalidArgument("packed, scales and offsets must have rank 2 ([m, ...]), got shapes ",
+                           packed.shape().DebugString(), ", ", scales.shape().DebugString(), " and ",
+                           offsets.shape().DebugString());
+  }
+  *m = packed.dim_size(0);
+  if (packed.dim_size(1) != num_bytes || scales.dim_size(0) != *m || scales.dim_size(1) != *num_blocks ||
+      offsets.shape() != scales.shape()) {
+    return InvalidArgument("payload does not match bounds: expected packed [", *m, ", ", num_bytes,
+                           "] and scales and offsets [", *m, ", ", *num_blocks, "] for n=", *n, ", ", *num_blocks,
+                           " blocks and bits=", bits, ", got ", packed.shape().DebugString(), ", ",
+                           scales.shape().DebugString(), " and ", offsets.shape().DebugString());
+  }
+  if (*m == 0) return InvalidArgument("block_quantize_decode_mean needs at least one payload");
+  if (plus.NumElements() != *n && plus.NumElements() != 0) {
+    return InvalidArgument("plus must have n=", *n, " elements, or none, got shape ", plus.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace checks
 }  // namespace hvd_compress
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace hvd_compress {
@@ -242,6 +243,54 @@ inline __m256 CodesOfEight(const uint8_t* p) {
 }
 #endif
 
+#if defined(HVD_COMPRESS_QUANTIZE_AVX2)
+// The 8 codes (as floats) of elements 8j .. 8j + 7 at p: 8-bit codes widened; 2- and 4-bit ones with AVX2's
+// per-lane shifts, the kBits bytes as one word in every lane, lane l shifted right by l * kBits and masked (no
+// table lookups).
+template <int kBits>
+__attribute__((target("avx2"))) inline __m256 CodesOfEightAvx2(const uint8_t* p) {
+  if constexpr (kBits == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  uint32_t word = 0;
+  std::memcpy(&word, p, kBits);
+  const __m256i shifts = _mm256_setr_epi32(0, kBits, 2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits, 6 * kBits, 7 * kBits);
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), shifts),
+                                         _mm256_set1_epi32((1 << kBits) - 1));
+  return _mm256_cvtepi32_ps(codes);
+}
+
+// DecodeMeanPiece's vector loop over elements [i, end) (i a multiple of 8) with CodesOfEightAvx2, the same
+// float32 results in the same order, for up to kMostHoisted payloads; returns where it stopped (the last whole 8,
+// or i where m is larger).
+template <int kBits>
+__attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* packed, int64_t num_bytes, int64_t m,
+                                                              const float* offsets, const float* scales,
+                                                              int64_t stride, int64_t i, int64_t end,
+                                                              const float* plus, float* out) {
+  constexpr int64_t kMostHoisted = 16;  // payloads whose offset and scale stay in registers
+  if (m > kMostHoisted) return i;
+  __m256 offset[kMostHoisted], scale[kMostHoisted];
+  for (int64_t r = 0; r < m; ++r) {
+    offset[r] = _mm256_set1_ps(offsets[r * stride]);
+    scale[r] = _mm256_set1_ps(scales[r * stride]);
+  }
+  // x / m and x * (1 / m) are the same float where m is a power of two (both round the same real number).
+  const bool power_of_two = (m & (m - 1)) == 0;
+  const __m256 divisor = _mm256_set1_ps(static_cast<float>(m)), reciprocal = _mm256_set1_ps(1.0f / m);
+  for (; i + 8 <= end; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t r = 0; r < m; ++r) {
+      const __m256 codes = CodesOfEightAvx2<kBits>(packed + r * num_bytes + i / 8 * kBits);
+      acc = _mm256_add_ps(acc, _mm256_add_ps(offset[r], _mm256_mul_ps(codes, scale[r])));
+    }
+    acc = power_of_two ? _mm256_mul_ps(acc, reciprocal) : _mm256_div_ps(acc, divisor);
+    _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
+  }
+  return i;
+}
+#endif
+
 // One block's decoded mean: payload r's bytes at packed + r * num_bytes, its offset and scale at
 // offsets[r * stride] and scales[r * stride].
 template <int kBits>
@@ -258,6 +307,9 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
   };
   int64_t i = begin;
   for (; i < end && (i & 7) != 0; ++i) one(i);
+#if defined(HVD_COMPRESS_QUANTIZE_AVX2)
+  if (kHasAvx2) i = DecodeMeanEightsAvx2<kBits>(packed, num_bytes, m, offsets, scales, stride, i, end, plus, out);
+#endif
 #if defined(__AVX__)
   const __m256 divisor = _mm256_set1_ps(count);
   for (; i + 8 <= end; i += 8) {
@@ -394,30 +446,12 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
     const Tensor& offsets_tensor = ctx->input(2);
     const Tensor& bounds_tensor = ctx->input(3);
     const Tensor& plus_tensor = ctx->input(4);
-    OP_REQUIRES(ctx, bounds_tensor.dims() == 1 && bounds_tensor.NumElements() > 0,
-                InvalidArgument("bounds must be a non-empty vector, got shape ", bounds_tensor.shape().DebugString()));
-    const int64_t num_blocks = bounds_tensor.NumElements() - 1;
+    int64_t n, m, num_blocks;
+    OP_REQUIRES_OK(ctx, checks::QuantizePayloads(packed_tensor, scales_tensor, offsets_tensor, bounds_tensor,
+                                                 plus_tensor, bits_, &n, &m, &num_blocks));
     const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
-    const int64_t n = bounds[num_blocks];
-    OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
     const int bits = bits_;
     const int64_t num_bytes = QuantizePackedBytes(n, bits);
-    OP_REQUIRES(ctx, packed_tensor.dims() == 2 && scales_tensor.dims() == 2 && offsets_tensor.dims() == 2,
-                InvalidArgument("packed, scales and offsets must have rank 2 ([m, ...]), got shapes ",
-                                packed_tensor.shape().DebugString(), ", ", scales_tensor.shape().DebugString(),
-                                " and ", offsets_tensor.shape().DebugString()));
-    const int64_t m = packed_tensor.dim_size(0);
-    OP_REQUIRES(ctx,
-                packed_tensor.dim_size(1) == num_bytes && scales_tensor.dim_size(0) == m &&
-                    scales_tensor.dim_size(1) == num_blocks && offsets_tensor.shape() == scales_tensor.shape(),
-                InvalidArgument("payload does not match bounds: expected packed [", m, ", ", num_bytes,
-                                "] and scales and offsets [", m, ", ", num_blocks, "] for n=", n, ", ", num_blocks,
-                                " blocks and bits=", bits, ", got ", packed_tensor.shape().DebugString(), ", ",
-                                scales_tensor.shape().DebugString(), " and ", offsets_tensor.shape().DebugString()));
-    OP_REQUIRES(ctx, m > 0, InvalidArgument("block_quantize_decode_mean needs at least one payload"));
-    OP_REQUIRES(ctx, plus_tensor.NumElements() == n || plus_tensor.NumElements() == 0,
-                InvalidArgument("plus must have n=", n, " elements, or none, got shape ",
-                                plus_tensor.shape().DebugString()));
     const float* plus = plus_tensor.NumElements() > 0 ? plus_tensor.flat<float>().data() : nullptr;
 
     Tensor* y_tensor = nullptr;
