@@ -106,15 +106,24 @@ def _git(*args):
         return None
 
 
-def machine():
-    """This machine in words: its CPU count and model."""
-    model = None
+def machine(cpuinfo="/proc/cpuinfo"):
+    """This machine in words: its CPU count and model, with the x86 family and model numbers and the widest vector
+    instructions where /proc/cpuinfo gives them (a virtual machine may name only "AMD EPYC", which is several
+    generations of different speed: compare figures only within one such description)."""
+    fields = {}
     try:
-        model = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), None)
+        for line in pathlib.Path(cpuinfo).read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{os.cpu_count()} CPUs" + (f" ({model})" if model else "")
+    details = [fields.get("model name")]
+    if fields.get("cpu family") and fields.get("model"):
+        details.append(f"family {fields['cpu family']} model {fields['model']}")
+    flags = fields.get("flags", "").split()
+    details.append("AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None)
+    details = [d for d in details if d]
+    return f"{os.cpu_count()} CPUs" + (f" ({', '.join(details)})" if details else "")
 
 
 def provenance(command):
