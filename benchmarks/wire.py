@@ -32,7 +32,11 @@ around them (a host's link is counted once, by its local rank 0); then it idles 
 traffic crosses the link (its background loop negotiates every cycle, about
 1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
 it TCP payload). Per model, N and method the table shows:
-- step ms: the median step (forward, backward, exchange, update) of the slowest rank;
+- step ms: the median step (forward, backward, exchange, update) of the slowest rank; with
+  --rounds=R, every method runs R times in turn (round 1 runs each once, then round 2...) and the
+  row is the round of the median step (the lower middle one for an even R), the rounds' range
+  beside it: a machine whose speed drifts over minutes (measured here: the same step 259-371 ms
+  within an hour) then slows every method alike instead of the one running at the time;
 - step vs Horovod fp32, step vs Horovod fp16: their step / this step, measured in the
   same run ("x faster"); Horovod's fp16 is what a user would otherwise pick;
 - step vs floor + link: this step / (no_exchange's step in the same run + the time this row's
@@ -148,6 +152,8 @@ flags.DEFINE_list("methods", [m for m in METHODS if not launch.needs_mpi(m)], f"
 flags.DEFINE_list("models", ["mlp25m", "digits_cnn"], f"Models, of {MODELS}.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first one traces).")
+flags.DEFINE_integer("rounds", 1, "Times every job runs, in turn: a row is the round of its median step (see the "
+                     "module's docstring); odd counts have a middle round.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 32, "Batch per rank.")
 flags.DEFINE_enum("optimizer", "sgd", list(OPTIMIZERS), "The optimizer every method wraps: "
                   + "; ".join(f"{name}: Keras's {made}" for name, made in OPTIMIZERS.items())
@@ -346,6 +352,7 @@ def summarize(rate, layout, model, method, ranks):
         wire_vs_accounted=statistics.fmean(payload) / accounted - 1 if one_rank_hosts and accounted else None,
         control_vs_accounted_est=statistics.fmean(control) / accounted if accounted else None,
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
+        step_ms_rounds=None,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
         tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks,
         tcp_progress_thread=FLAGS.launcher == "mpi" and launch.needs_mpi(method))
@@ -363,7 +370,7 @@ def layouts():
 def command_line():
     layout = dict(hosts=FLAGS.hosts) if FLAGS.hosts else dict(ranks=FLAGS.ranks)
     return launch.command_line(__file__, rates=FLAGS.rates, **layout, models=FLAGS.models,
-                               methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup,
+                               methods=FLAGS.methods, steps=FLAGS.steps, warmup=FLAGS.warmup, rounds=FLAGS.rounds,
                                batch_size=FLAGS.batch_size, idle_s=FLAGS.idle_s, optimizer=FLAGS.optimizer,
                                inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
@@ -384,17 +391,22 @@ def main(_):
     for rate in FLAGS.rates:
         for layout in network_layouts:
             with netns.Network(layout, rate, FLAGS.slow_start_after_idle) as net:
-                for model in FLAGS.models:
-                    for method in FLAGS.methods:
-                        rows.append(summarize(rate, net.layout, model, method, run_job(net, model, method)))
-                        r = rows[-1]
-                        wire = ("" if r["wire_vs_accounted"] is None else
-                                f" (TCP payload {r['wire_vs_accounted']:+.2%} vs accounted)")
-                        control = ("" if r["control_vs_accounted_est"] is None else
-                                   f", would be {r['control_vs_accounted_est']:+.2%} over a step")
-                        print(f"{rate} {net.layout} {model} {method}: step {r['step_ms']:.1f} ms, accounted "
-                              f"{r['accounted']:,.0f} B, host link tx {r['veth_tx_bytes']:,.0f} B{wire}; Horovod's "
-                              f"idle control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s{control}", flush=True)
+                runs = {}  # (model, method) -> its row of each round
+                for round_ in range(FLAGS.rounds):
+                    for model in FLAGS.models:
+                        for method in FLAGS.methods:
+                            r = summarize(rate, net.layout, model, method, run_job(net, model, method))
+                            runs.setdefault((model, method), []).append(r)
+                            wire = ("" if r["wire_vs_accounted"] is None else
+                                    f" (TCP payload {r['wire_vs_accounted']:+.2%} vs accounted)")
+                            control = ("" if r["control_vs_accounted_est"] is None else
+                                       f", would be {r['control_vs_accounted_est']:+.2%} over a step")
+                            which = f" (round {round_ + 1} of {FLAGS.rounds})" if FLAGS.rounds > 1 else ""
+                            print(f"{rate} {net.layout} {model} {method}{which}: step {r['step_ms']:.1f} ms, accounted "
+                                  f"{r['accounted']:,.0f} B, host link tx {r['veth_tx_bytes']:,.0f} B{wire}; "
+                                  f"Horovod's idle control traffic, {r['control_tx_bytes_per_s'] / 1e3:.0f} kB/s"
+                                  f"{control}", flush=True)
+                rows += [median_round(rounds) for rounds in runs.values()]
     for rate in FLAGS.rates:
         print(f"\n### {rate}\n")
         print(render([r for r in rows if r["rate"] == rate]))
@@ -407,6 +419,21 @@ def main(_):
     print(f"\nReproduce with:\n    {command_line()}")
     results.save(FLAGS.out, rows)
     publish(rows)
+
+
+def median_round(rounds):
+    """One job's row over its rounds: the round of the median step (statistics.median_low: a round that ran, whose
+    bytes go with its step), with every round's step in step_ms_rounds."""
+    middle = statistics.median_low([r["step_ms"] for r in rounds])
+    row = next(r for r in rounds if r["step_ms"] == middle)
+    return dict(row, step_ms_rounds=[r["step_ms"] for r in rounds])
+
+
+def step_cell(row):
+    """A row's step ms, with its rounds' range where it ran several."""
+    rounds = row.get("step_ms_rounds") or []
+    spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
+    return f"{row['step_ms']:.1f}{spread}"
 
 
 def layout_of(row):
@@ -444,7 +471,10 @@ def render(rows):
     note = (f"{models}, batch {r0['batch_size']} per rank, every method on Keras's {OPTIMIZERS[optimizer]}"
             + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
             + f"; median step of the slowest "
-            f"rank over {r0['steps']} steps after {r0['warmup']}; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
+            f"rank over {r0['steps']} steps after {r0['warmup']}"
+            + (f", the round of the median step of {len(r0['step_ms_rounds'])}, every job once a round, with the rounds' "
+               f"range" if len(r0.get("step_ms_rounds") or []) > 1 else "")
+            + f"; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
             f"per rank; TCP slow start after idle {'on' if r0['slow_start_after_idle'] else 'off'}; "
             f"{launch.launched(r0.get('launcher', 'gloo'))}; {allocator}. Hosts: HxL is H "
             f"hosts of L ranks sharing the host's link; bytes on a host's link are its veth's kernel counter, per step."
@@ -457,7 +487,7 @@ def render(rows):
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
          "step vs floor + link", "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted",
          "host link bytes vs Horovod fp32"],
-        [[r["rate"], layout_of(r), r["model"], r["method"], f"{r['step_ms']:.1f}", versus(r, horovod["fp32"]),
+        [[r["rate"], layout_of(r), r["model"], r["method"], step_cell(r), versus(r, horovod["fp32"]),
           versus(r, horovod["fp16"]), versus_floor(r), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
           versus(r, horovod["fp32"], "veth_tx_bytes") if r["accounted"] else "-"] for r in rows],
