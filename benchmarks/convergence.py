@@ -96,7 +96,8 @@ def plot(runs, path):
 def transformer(_):
     """Every method and seed on examples/keras_transformer.py; the table convergence_transformer."""
     launch.check_names("convergence.py", "transformer_methods", FLAGS.transformer_methods,
-                       [name for name in registry.NAMES if name != "sgp"] + list(TRANSFORMER_VARIANTS))
+                       [name for name in registry.NAMES if name != "sgp" and name not in registry.LOCAL_STEP_METHODS]
+                       + list(TRANSFORMER_VARIANTS))
     runs = run_seeds("keras_transformer.py", {method: TRANSFORMER_VARIANTS.get(method, [f"--method={method}"])
                                               for method in FLAGS.transformer_methods}, FLAGS.epochs or 3, timeout=2400)
     print(render_transformer(runs))
@@ -107,7 +108,8 @@ def transformer(_):
 def text(_):
     """Every method and seed on examples/keras_text.py; the table convergence_text_<n>ranks(_mpi)."""
     launch.check_names("convergence.py", "text_methods", FLAGS.text_methods,
-                       [*registry.NAMES, *launch.GOSSIP_VARIANTS])
+                       [*(name for name in registry.NAMES if name not in registry.LOCAL_STEP_METHODS),
+                        *launch.GOSSIP_VARIANTS])
     launch.check_launcher("convergence.py", FLAGS.text_methods, FLAGS.launcher)
     runs = run_seeds("keras_text.py", {method: launch.example_flags(method) for method in FLAGS.text_methods},
                      FLAGS.epochs or 2, json_flag="result", launcher=FLAGS.launcher)

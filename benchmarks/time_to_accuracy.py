@@ -159,9 +159,11 @@ def setting(name):
 
 def make_optimizer(hc, hvd_keras, keras, base_optimizer, total_steps):
     """--method's optimizer around base_optimizer, and its accounting (wire.make_optimizer's); a compressed
-    method sends at full precision for the first --compression_warmup of total_steps."""
+    method sends at full precision for the first --compression_warmup of total_steps (the local-step methods,
+    which send nothing between syncs, have no such warm-up)."""
     fraction = setting("compression_warmup")
-    warmup = ({} if fraction is None or FLAGS.method.startswith("horovod_") else
+    warmup = ({} if fraction is None or FLAGS.method.startswith("horovod_")
+              or wire.is_local_steps(FLAGS.method) else
               dict(warmup_steps=max(1, int(fraction * total_steps))))
     return wire.make_optimizer(hc, hvd_keras, keras, FLAGS.method, base_optimizer, **warmup)
 

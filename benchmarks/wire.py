@@ -32,7 +32,8 @@ around them (a host's link is counted once, by its local rank 0); then it idles 
 traffic crosses the link (its background loop negotiates every cycle, about
 1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
 it TCP payload). Per model, N and method the table shows:
-- step ms: the median step (forward, backward, exchange, update) of the slowest rank; with
+- step ms: the median step (forward, backward, exchange, update) of the slowest rank (local-step methods, which
+  sync every H steps: the mean step over --steps rounded up to whole periods, each ending on a sync); with
   --rounds=R, every method runs R times in turn (round 1 runs each once, then round 2...) and the
   row is the round of the median step (the lower middle one for an even R), the rounds' range
   beside it: a machine whose speed drifts over minutes (measured here: the same step 259-371 ms
@@ -43,9 +44,9 @@ it TCP payload). Per model, N and method the table shows:
   host link tx bytes take at the link's rate): how far the method is from its compute plus its
   own bytes on the wire (1.00x: nothing but those);
 - accounted bytes/step: what one worker sends per step by the exchange's own
-  accounting (hvd_compress: opt.compression_exchange.bytes_sent; hier_ methods: what it sends
-  to other hosts, opt.compression_exchange.cross_host_bytes; SGP:
-  opt.pushsum.bytes_sent; Horovod's fp32 / fp16 and our fp32 (none): the ring
+  accounting (hvd_compress's wrappers: opt.bytes_per_step, for DiLoCo a sync's bytes over the inner steps
+  between syncs; hier_ methods: what it sends to other hosts, opt.compression_exchange.cross_host_bytes;
+  Horovod's fp32 / fp16 and our fp32 (none): the ring
   allreduce, 2 (n-1)/n of the 4- / 2-byte payload);
 - host link tx bytes/step: what left a host's veth (mean over hosts; with one rank per
   host, the rank's own), Ethernet, IP and TCP headers included; every host's in the
@@ -121,6 +122,12 @@ VARIANTS = {
     "onebit_oneway_b256": ("onebit", dict(two_way=False, block_size=256)),
     # SGP overlapping the next step, and either sending point to point (--launcher=mpi)
     **launch.GOSSIP_VARIANTS,
+    # DiLoCo and SparseLoCo on runs of a few hundred steps: more syncs, or a plain average (outer rate 1, no momentum)
+    "diloco_h5": ("diloco", dict(sync_every=5)),
+    "diloco_average": ("diloco", dict(outer_learning_rate=1.0, outer_momentum=0.0)),
+    "diloco_average_h5": ("diloco", dict(sync_every=5, outer_learning_rate=1.0, outer_momentum=0.0)),
+    "sparseloco_h5": ("sparseloco", dict(sync_every=5)),
+    "sparseloco_h5_10pct": ("sparseloco", dict(sync_every=5, compression=registry.compression("topk", ratio=0.1))),
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
@@ -181,6 +188,11 @@ flags.DEFINE_string("result", None, "worker: where this rank writes its JSON.")
 FLAGS = flags.FLAGS
 
 
+def is_local_steps(method):
+    """Whether `method` (of METHODS) is DiLoCo's, hc.methods.LOCAL_STEP_METHODS or a variant of one."""
+    return VARIANTS.get(method, (method,))[0] in registry.LOCAL_STEP_METHODS
+
+
 def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
     """(optimizer, accounted): the optimizer for `method`, and accounted(num_params), the bytes one
     worker sends per step by the exchange's own accounting (call it after the first step: hc's
@@ -204,10 +216,9 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
         # hc row has. (fp16, hvd_compress's own 16-bit exchange, counts its own: fused F16C casts, each
         # shard summed in float32 by its owner.)
         "none": ring(4),
-        "sgp": lambda opt, params: opt.pushsum.bytes_sent,
         # hierarchical: what crosses to other hosts (the rest stays on the host's loopback)
         **{name: (lambda opt, params: opt.compression_exchange.cross_host_bytes) for name in HIERARCHICAL},
-    }.get(VARIANTS.get(method, (method,))[0], lambda opt, params: opt.compression_exchange.bytes_sent)
+    }.get(VARIANTS.get(method, (method,))[0], lambda opt, params: opt.bytes_per_step)  # (local steps: per period)
     if method == NO_EXCHANGE:
         return base_optimizer, lambda num_params: 0.0
     if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
@@ -261,7 +272,8 @@ def benchmarked_optimizer(hc, hvd_keras, keras, method):
     """make_optimizer(method) over --optimizer's optimizer. Under AdamW hvd_compress's own wrappers warm up for
     the untimed steps (--warmup), so that every timed step is compressed (1-bit Adam needs a warm-up; the
     error-feedback methods then freeze Adam's variance, the setting measured best under AdamW)."""
-    ours = method not in (*BASELINES, NO_EXCHANGE) and not method.startswith("sgp")
+    ours = (method not in (*BASELINES, NO_EXCHANGE) and not method.startswith("sgp")
+            and not is_local_steps(method))
     warmup = dict(warmup_steps=FLAGS.warmup) if FLAGS.optimizer == "adamw" and ours else {}
     return make_optimizer(hc, hvd_keras, keras, method, base_optimizer(keras), **warmup)
 
@@ -287,11 +299,12 @@ def worker():
     # SGP with overlap: the last step's messages are still in flight after it; counted in the window that
     # sends them (PushSum.flush waits for them), not in the next one's
     settle = getattr(getattr(opt, "pushsum", None), "flush", lambda: None)
+    steps = timed_steps(opt, step)
 
     settle()
     hvd.allreduce(tf.zeros([1]), name="wire.before").numpy()
     before, times = interface_counters(iface), []
-    for _ in range(FLAGS.steps):
+    for _ in range(steps):
         start = time.perf_counter()
         step().numpy()
         times.append(time.perf_counter() - start)
@@ -309,10 +322,23 @@ def worker():
         local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
         cross_size=hvd.cross_size(),
         inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
-        step_ms=1000 * statistics.median(times), step_times_ms=[1000 * t for t in times], accounted=accounted(params),
+        step_ms=1000 * (statistics.median(times) if steps == FLAGS.steps else statistics.fmean(times)),
+        step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
         control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second
-        **{k: (after[k] - before[k]) / FLAGS.steps for k in after})))
+        **{k: (after[k] - before[k]) / steps for k in after})))
+
+
+def timed_steps(opt, step):
+    """--steps, or for a local-step method (DiLoCo) whole sync periods: it steps on, untimed, to just after a sync,
+    and times the next --steps rounded up to a multiple of its period, so that the mean step (its row's step) and
+    the link counters hold the syncs in their share."""
+    diloco = getattr(opt, "diloco", None)
+    if diloco is None:
+        return FLAGS.steps
+    while int(diloco.inner_steps.numpy()) % diloco.sync_every:
+        step().numpy()
+    return -(-FLAGS.steps // diloco.sync_every) * diloco.sync_every
 
 
 # -- launcher -------------------------------------------------------------------------------------

@@ -4,9 +4,11 @@
 
 --compression is a method of hvd_compress's registry, hc.methods (its names and defaults; the
 flags below change some of them): none, fp16, onebit (two-way dist-EF-SGD), onebit_oneway,
-quantize8, quantize4, topk, randomk, powersgd, sketch, fetchsgd, or sgp, which trains with
-Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients and evaluates the
-consensus model at the end (per epoch: rank 0's own model). Horovod's own baselines
+quantize8, quantize4, topk, randomk, powersgd, sketch, fetchsgd; sgp, which trains with
+Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients; or diloco and sparseloco, which
+take 20 local steps of AdamW (DiLoCo's inner optimizer; --lr is then AdamW's) between syncs (hc.DiLoCo). Where
+the ranks hold different models (sgp, diloco, sparseloco), fit ends on their average (hc.callbacks.Consensus),
+which is evaluated (per epoch: rank 0's own model). Horovod's own baselines
 (horovod_fp32, horovod_fp16) need tf_keras: see keras_text.py.
 Prints the test accuracy and the bytes each worker sent per step; --history writes the
 per-epoch logs (test accuracy, cumulative bytes per worker) as JSON.
@@ -30,7 +32,8 @@ from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 
 #: Horovod's own DistributedOptimizer needs tf_keras, and this example runs in whichever Keras tf.keras is
 METHODS = [name for name in hc.methods.NAMES if not name.startswith("horovod_")]
-flags.DEFINE_enum("compression", "onebit", METHODS, "Method of hc.methods (sgp: gossip instead of averaging).")
+flags.DEFINE_enum("compression", "onebit", METHODS, "Method of hc.methods (sgp: gossip instead of averaging; diloco, "
+                  "sparseloco: local AdamW steps).")
 flags.DEFINE_integer("block_size", None, "onebit, onebit_oneway, quantize8, quantize4: elements per scale "
                      "(default: hc.methods', one block per tensor for onebit).")
 flags.DEFINE_float("ratio", None, "topk, randomk: fraction of each bucket sent (default: hc.methods').")
@@ -39,7 +42,8 @@ flags.DEFINE_integer("rank", None, "powersgd: rank of the approximation (default
 flags.DEFINE_bool("stochastic", None, "quantize8, quantize4: stochastic rounding (default: hc.methods').")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
-flags.DEFINE_float("lr", 0.05, "Learning rate per rank (scaled by the number of ranks).")
+flags.DEFINE_float("lr", None, "SGD's learning rate per rank, scaled by the number of ranks (default 0.05); for diloco "
+                   "and sparseloco AdamW's (default 0.002).")
 flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights, shuffling and the compressions that draw.")
 flags.DEFINE_string("history", None, "Where rank 0 writes the per-epoch logs (JSON).")
 FLAGS = flags.FLAGS
@@ -71,22 +75,23 @@ def main(_):
     train, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), FLAGS.batch_size, FLAGS.seed)
 
     model = digits.cnn(keras, FLAGS.seed)
-    sgd = keras.optimizers.SGD(FLAGS.lr * hvd.size(), momentum=0.9, nesterov=True)
-    gossip = FLAGS.compression == "sgp"
-    optimizer = hc.methods.distributed_optimizer(FLAGS.compression, sgd, overrides=overrides())
+    if FLAGS.compression in hc.methods.LOCAL_STEP_METHODS:
+        inner = keras.optimizers.AdamW(FLAGS.lr or 0.002, weight_decay=0.01)
+    else:
+        inner = keras.optimizers.SGD((FLAGS.lr or 0.05) * hvd.size(), momentum=0.9, nesterov=True)
+    optimizer = hc.methods.distributed_optimizer(FLAGS.compression, inner, overrides=overrides())
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [hc.callbacks.BroadcastGlobalVariablesCallback(0)]
-    callbacks += [] if gossip else [hc.callbacks.CompressionMetrics()]
+    # the ranks' average once fit ends where they train apart; else the bytes and residuals per epoch
+    callbacks += [hc.callbacks.Consensus()] if optimizer.ranks_diverge else [hc.callbacks.CompressionMetrics()]
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=steps,
                         callbacks=callbacks + [digits.TestAccuracy(x_test, y_test)],
                         verbose=2 if hvd.rank() == 0 else 0)
 
-    if gossip:
-        hc.gossip.consensus(model)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    sent = optimizer.pushsum.bytes_sent if gossip else optimizer.compression_exchange.bytes_sent
+    sent = optimizer.bytes_per_step
     fp32 = allreduce_bytes(4 * model.count_params(), hvd.size())
     if hvd.rank() == 0:
         print(f"compression={FLAGS.compression} ranks={hvd.size()} "

@@ -31,7 +31,7 @@ import hvd_compress as hc  # noqa: E402
 from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 import transformer  # noqa: E402
 
-METHODS = [name for name in hc.methods.NAMES if name != "sgp"]
+METHODS = [name for name in hc.methods.NAMES if name != "sgp" and name not in hc.methods.LOCAL_STEP_METHODS]
 flags.DEFINE_enum("method", "onebit", METHODS, "How gradients are exchanged: a method of hc.methods.")
 flags.DEFINE_string("policy", "mixed_float16", "Keras mixed-precision policy.")
 flags.DEFINE_integer("epochs", 3, "Training epochs.")

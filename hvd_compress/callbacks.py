@@ -75,16 +75,15 @@ def plan_fit(model, params):
     counted from epoch 0 as Keras counts them, or at least one epoch on from the optimizer's step), for the
     exchange's warm-up (GradientExchange.plan_fit); None where the fit's length is unknown."""
     optimizer = hc_optimizer(model)
-    exchange = getattr(optimizer, "compression_exchange", None)
     steps, epochs = (params or {}).get("steps"), (params or {}).get("epochs")
-    if exchange is None:
+    if not isinstance(optimizer, WrapperCore):
         return
     if not steps or not epochs:
-        exchange.plan_fit(None)
+        optimizer.hc_plan_fit(None)
         return
     passes = getattr(optimizer, "_hc_backward_passes", 1)  # backward passes (batches) per optimizer step
     done = int(optimizer.iterations.numpy())
-    exchange.plan_fit(max(epochs * steps // passes, done + steps // passes))
+    optimizer.hc_plan_fit(max(epochs * steps // passes, done + steps // passes))
 
 
 def check_distributed_training(model, params, process_set=hvd.global_process_set):
@@ -247,10 +246,12 @@ class MetricAverageCallback(_DistributedTrainingCallback):
 
 
 class Consensus(Callback):
-    """For SGP (hvd_compress.PushSumOptimizer), whose ranks hold different models while they train: once every
-    rank has finished its own steps, every rank's model becomes the exact average of all ranks' models
-    (gossip.consensus: one allreduce of the models; over MPI the messages still in flight are first taken out of
-    MPI into the per-rank mass in flight, which the next step mixes in).
+    """For SGP (hvd_compress.PushSumOptimizer) and DiLoCo (hvd_compress.DiLoCo), whose ranks hold different models
+    while they train: once every rank has finished its own steps, every rank's model becomes the exact average of
+    all ranks' models (gossip.consensus: one allreduce of the models; over MPI the messages still in flight are
+    first taken out of MPI into the per-rank mass in flight, which the next step mixes in). Under DiLoCo the
+    average is every rank's x_i after a sync (where the models are alike already) and between syncs the average
+    of the ranks' progress; the next sync's pseudo-gradient starts from it.
 
     - At the end of model.fit, always: the model that is evaluated and saved afterwards is the average.
     - With every_epoch=True, at the end of every epoch too, before fit's validation: the validation metrics and
@@ -268,10 +269,11 @@ class Consensus(Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = hc_optimizer(self.model)
-        if getattr(optimizer, "pushsum", None) is None:
-            raise ValueError(f"hvd_compress.callbacks.Consensus averages the ranks of SGP, and this model's optimizer "
-                             f"is a {type(optimizer).__name__}, whose ranks agree after every step already. Drop the "
-                             "callback, or compile with hvd_compress.PushSumOptimizer(optimizer).")
+        if not getattr(optimizer, "ranks_diverge", False):
+            raise ValueError(f"hvd_compress.callbacks.Consensus averages the ranks of SGP and DiLoCo, and this model's "
+                             f"optimizer is a {type(optimizer).__name__}, whose ranks agree after every step already. "
+                             "Drop the callback, or compile with hvd_compress.PushSumOptimizer(optimizer) or "
+                             "hvd_compress.DiLoCo(optimizer, sync_every=...).")
 
     def on_train_batch_end(self, batch, logs=None):
         self.stepped = True

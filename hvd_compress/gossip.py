@@ -280,6 +280,7 @@ class PushSum:
 
 class _PushSumOptimizerMixin(WrapperCore):
     saved_name = "PushSumOptimizer"
+    ranks_diverge = True
 
     def _hc_init(self, pushsum):
         object.__setattr__(self, "_hc_pushsum", pushsum)
@@ -304,6 +305,10 @@ class _PushSumOptimizerMixin(WrapperCore):
     @property
     def hc_process_set(self):
         return self._hc_pushsum.process_set
+
+    @property
+    def bytes_per_step(self):
+        return self._hc_pushsum.bytes_sent
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         # w_i and the mass in flight: in checkpoints, with their owner; never in optimizer.variables

@@ -220,6 +220,19 @@ class WrapperCore:
     factory = None
     #: set when a step of the wrapper is traced (or run): a model traced before the wrap runs without it
     _hc_stepped = False
+    #: the ranks hold different models between steps (SGP, DiLoCo): callbacks.Consensus averages them
+    ranks_diverge = False
+
+    def hc_plan_fit(self, end_step):
+        """Before the first step of a model.fit that ends at optimizer step `end_step` (None: unknown);
+        hvd_compress's callbacks call it."""
+        return None
+
+    @property
+    def bytes_per_step(self):
+        """Bytes one rank sends per step, by the wrapper's own accounting (local steps: averaged over a sync
+        period); known once the first step planned the exchange."""
+        raise NotImplementedError
 
     def _hc_first_in_step(self, grads, overflow_check=False):
         """The context of a step's first collective, after its gradients `grads`: its StopTogether's

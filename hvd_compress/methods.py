@@ -24,8 +24,16 @@ METHODS = {
     "sketch": functools.partial(Compression.sketch, ratio=4),
     "fetchsgd": functools.partial(Compression.sketch, ratio=4, mode="fetchsgd"),
 }
-#: methods that are not a compression of ours: baselines and gossip
-OTHER_METHODS = ("horovod_fp32", "horovod_fp16", "sgp")
+#: local-step methods (hvd_compress.DiLoCo): name -> its settings. An evaluation every 20 steps meets a sync.
+LOCAL_STEP_METHODS = {
+    # DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9) on the full-precision average, every 20 steps
+    "diloco": lambda: dict(sync_every=20),
+    # SparseLoCo: top-k 1% of the pseudo-gradient with error feedback decayed by 0.95 in place of outer momentum
+    "sparseloco": lambda: dict(sync_every=20, outer_learning_rate=1.0, outer_momentum=0.0, error_decay=0.95,
+                               compression=Compression.topk(ratio=0.01)),
+}
+#: methods that are not a compression of ours: baselines, gossip and local steps
+OTHER_METHODS = ("horovod_fp32", "horovod_fp16", "sgp", *LOCAL_STEP_METHODS)
 NAMES = tuple(METHODS) + OTHER_METHODS
 
 
@@ -39,7 +47,8 @@ def compression(name, **overrides):
 def distributed_optimizer(name, optimizer, overrides=None, **wrapper_kwargs):
     """`optimizer` wrapped as method `name` trains (any of NAMES): hvd_compress.DistributedOptimizer with
     the method's compression (`overrides` its arguments), Horovod's DistributedOptimizer (horovod_fp32,
-    horovod_fp16; needs tf_keras), or hvd_compress.PushSumOptimizer (sgp). wrapper_kwargs go to the wrapper."""
+    horovod_fp16; needs tf_keras), hvd_compress.PushSumOptimizer (sgp) or hvd_compress.DiLoCo (LOCAL_STEP_METHODS,
+    `overrides` its settings). wrapper_kwargs go to the wrapper."""
     if name in ("horovod_fp32", "horovod_fp16"):
         import horovod.tensorflow.keras as hvd_keras
         return hvd_keras.DistributedOptimizer(
@@ -48,5 +57,8 @@ def distributed_optimizer(name, optimizer, overrides=None, **wrapper_kwargs):
     if name == "sgp":
         from hvd_compress.gossip import PushSumOptimizer
         return PushSumOptimizer(optimizer, **(overrides or {}), **wrapper_kwargs)
+    if name in LOCAL_STEP_METHODS:
+        from hvd_compress.diloco import DiLoCo
+        return DiLoCo(optimizer, **{**LOCAL_STEP_METHODS[name](), **(overrides or {})}, **wrapper_kwargs)
     from hvd_compress.optimizer import DistributedOptimizer
     return DistributedOptimizer(optimizer, compression=compression(name, **(overrides or {})), **wrapper_kwargs)

@@ -104,6 +104,14 @@ class _DistributedOptimizerMixin(WrapperCore):
     def hc_process_set(self):
         return self._hc_exchange.process_set
 
+    def hc_plan_fit(self, end_step):
+        """1-bit Adam's default warm-up follows the fit's length (GradientExchange.plan_fit)."""
+        self._hc_exchange.plan_fit(end_step)
+
+    @property
+    def bytes_per_step(self):
+        return self._hc_exchange.bytes_sent
+
     @property
     def compression_exchange(self):
         """The GradientExchange (layout, bytes per step, residuals); built at the first step."""

@@ -571,3 +571,29 @@ class PushSum:
     def mass(self):
         """The weights' sum, the mass in flight included: n throughout."""
         return float(np.sum(self.w, dtype=np.float64) + sum(float(p[-1]) for p in self.pending))
+
+
+class DiLoCo:
+    """DiLoCo's outer step (hvd_compress/diloco.py) for n simulated ranks on one flat float32 vector: after the
+    inner steps, Delta_i = theta - x_i; `mean(deltas)` averages them (with its own error feedback where it
+    compresses; error_decay first scales that feedback, `residuals()`); m = mu m + Delta; theta -= lr (Delta +
+    mu m) (Nesterov), lr m (heavy ball) or lr Delta (mu = 0); every x_i = theta."""
+
+    def __init__(self, start, n, lr, mu, nesterov, mean, residuals=lambda: [], error_decay=1.0):
+        self.theta = np.asarray(start, np.float32).copy()
+        self.x = [self.theta.copy() for _ in range(n)]
+        self.m = np.zeros_like(self.theta)
+        self.lr, self.mu, self.nesterov = np.float32(lr), np.float32(mu), nesterov
+        self.mean, self.residuals, self.error_decay = mean, residuals, np.float32(error_decay)
+
+    def sync(self):
+        if self.error_decay != 1:
+            for e in self.residuals():
+                e *= self.error_decay
+        delta = self.mean([self.theta - x for x in self.x])
+        step = delta
+        if self.mu:
+            self.m = self.mu * self.m + delta
+            step = delta + self.mu * self.m if self.nesterov else self.m
+        self.theta = self.theta - self.lr * step
+        self.x = [self.theta.copy() for _ in self.x]

@@ -388,3 +388,40 @@ except TypeError as error:
                                 cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     assert "`import hvd_compress`" in result.stdout and "compile=False" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(sync_every=0), ValueError, "sync_every must be"),
+    (dict(sync_every=True), ValueError, "sync_every must be"),
+    (dict(sync_every=4, outer_learning_rate=0), ValueError, "outer_learning_rate must be"),
+    (dict(sync_every=4, outer_momentum=1.0), ValueError, "outer_momentum must be"),
+    (dict(sync_every=4, nesterov="yes"), TypeError, "nesterov must be"),
+    (dict(sync_every=4, error_decay=0.95), ValueError, "error_decay=0.95 decays the error feedback"),
+    (dict(sync_every=4, error_decay=1.5, compression=hc.Compression.topk(ratio=0.01)), ValueError, "error_decay must"),
+    (dict(sync_every=4, compression="topk"), TypeError, "hvd_compress.Compression"),
+])
+def test_bad_diloco_arguments_are_refused_before_training(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hc.DiLoCo(sgd(), **kwargs)
+
+
+def test_diloco_refuses_a_loss_scale_optimizer_and_a_wrapped_one():
+    with pytest.raises(TypeError, match=r"keras.mixed_precision.LossScaleOptimizer\(hvd_compress.DiLoCo"):
+        hc.DiLoCo(keras.mixed_precision.LossScaleOptimizer(sgd()), sync_every=4)
+    with pytest.raises(ValueError, match="already wrapped"):
+        hc.DiLoCo(hc.DistributedOptimizer(sgd()), sync_every=4)
+
+
+def test_a_fit_in_which_diloco_never_syncs_is_reported_before_its_first_step(caplog):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(hc.DiLoCo(sgd(), sync_every=50), "mse")
+    x = np.ones((64, 3), np.float32)
+    with caplog.at_level("WARNING", logger="hvd_compress"):
+        model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[hc.callbacks.MetricAverageCallback()])
+    assert "no sync falls in it" in caplog.text and "sync_every=" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hvd_compress"):  # steps 17 to 56 hold the sync at 50
+        model.fit(x, x[:, :1], batch_size=8, initial_epoch=2, epochs=7, verbose=0,
+                  callbacks=[hc.callbacks.MetricAverageCallback()])
+    assert "no sync" not in caplog.text
+    assert int(model.optimizer.diloco.inner_steps.numpy()) == 56

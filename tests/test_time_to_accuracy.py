@@ -27,7 +27,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
         pytest.skip(reason)
     out, figure = tmp_path / "tta.json", tmp_path / "tta.png"
     cmd = [sys.executable, str(BENCHMARKS / "time_to_accuracy.py"), "--rates=10gbit", "--ranks=2",
-           "--task=digits", "--methods=horovod_fp16,onebit,no_exchange", "--layers=64,128,10", "--epochs=1", "--eval_every=5",
+           "--task=digits", "--methods=horovod_fp16,onebit,no_exchange,diloco", "--layers=64,128,10", "--epochs=1", "--eval_every=5",
            "--lr=0.05", "--sustained=1",
            "--timeout=90", f"--out={out}", f"--plot={figure}"]
     # --timeout kills a job's ranks and the launcher then removes its network; this one is the last resort.
@@ -41,7 +41,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     assert figure.stat().st_size > 0
 
     runs = {r["method"]: r for r in json.loads(out.read_text())}
-    assert set(runs) == {"horovod_fp16", "onebit", "no_exchange"}
+    assert set(runs) == {"horovod_fp16", "onebit", "no_exchange", "diloco"}
     for r in runs.values():
         assert r["hostnames"] == ["hc-ns0", "hc-ns1"] and r["rate"] == "10gbit" and r["ranks"] == 2 and r["layout"] == "2x1"
         assert r["steps"] == r["steps_per_epoch"] == 1437 // 64  # the train split's shards of 32 per rank
@@ -61,6 +61,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     assert fp16["accounted"] == 2 * (64 * 128 + 128 + 128 * 10 + 10)  # the ring allreduce of 2-byte values, 2 ranks
     assert onebit["accounted"] < fp16["accounted"] / 4
     assert runs["no_exchange"]["accounted"] == 0 and runs["no_exchange"]["tf_cpu_allocator"] == "bfc"
+    assert runs["diloco"]["accounted"] == pytest.approx(fp16["accounted"] / 10)  # fp32 every 20 inner steps
     import time_to_accuracy  # the published table: the floor's row has a step and no time to the target
     from absl import flags
     flags.FLAGS(cmd[1:])  # the run's flags, which the table's note reads

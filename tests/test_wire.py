@@ -77,6 +77,23 @@ def test_veth_bytes_match_the_accounting_and_nothing_is_left_behind(tmp_path):
 
 @pytest.mark.usefixtures("network_to_itself")
 @pytest.mark.timeout(300)
+def test_local_steps_are_timed_over_whole_sync_periods(tmp_path):
+    """DiLoCo syncs every 20 inner steps: its row is one whole period, ending on the sync, so the mean step and
+    the link's bytes per step hold the sync in its share; the kernel's counters agree with its accounting."""
+    rows, output = run_wire(tmp_path, "--ranks=2", "--methods=diloco,sparseloco", "--steps=5", "--warmup=2",
+                            "--idle_s=1", "--timeout=200")
+    rows = {r["method"]: r for r in rows}
+    for method, r in rows.items():
+        assert [len(p["step_times_ms"]) for p in r["per_rank"]] == [20, 20], method
+        assert -0.02 < r["wire_vs_accounted"] < r["control_vs_accounted_est"] + 0.05, (method, output)
+    times = rows["diloco"]["per_rank"][0]["step_times_ms"]
+    assert times[-1] > max(times[:-1]), times  # the sync of 16 MB: the last step of the period
+    assert rows["diloco"]["accounted"] == pytest.approx(rows["diloco"]["fp32_allreduce"] / 20)
+    assert rows["sparseloco"]["accounted"] < rows["diloco"]["accounted"] / 20  # top-k 1%: values and indices
+
+
+@pytest.mark.usefixtures("network_to_itself")
+@pytest.mark.timeout(300)
 def test_ranks_of_a_host_share_its_link_and_horovod_sees_the_layout(tmp_path):
     """--hosts=2x2: two hosts of two ranks. Horovod's local and cross ranks are the layout's, and a
     host's link carries only what leaves the host: Horovod's ring allreduce (in rank order) sends one
