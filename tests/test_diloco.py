@@ -4,14 +4,14 @@ import pytest
 from hvdrun import KERASES, run_ranks
 
 
-def test_diloco_matches_the_numpy_reference_at_2_and_3_ranks():
+def test_diloco_matches_the_numpy_reference_at_2_to_4_ranks():
     """H inner steps (SGD, or AdamW with each rank's own state), then the outer step: Nesterov or heavy-ball
     momentum, or SparseLoCo's decayed error feedback on a top-k pseudo-gradient; tests/workers/diloco_rule.py
     compares every rank's x_i and theta with the reference, and theta across ranks, bit for bit; runs interrupted
     between syncs resume from per-rank checkpoints with the uninterrupted run's bits."""
-    results = run_ranks("diloco_rule.py", "--world_sizes=2,3", np=3, timeout=300)
+    results = run_ranks("diloco_rule.py", "--world_sizes=2,3,4", np=4, timeout=300)
     names = set(results[0]["digests"])
-    assert {name.split("/")[0] for name in names} == {"2", "3"}, names
+    assert {name.split("/")[0] for name in names} == {"2", "3", "4"}, names
     # The ranks' own x_i differ after the steps past the last sync.
     assert results[0]["digests"]["2/nesterov"] != results[1]["digests"]["2/nesterov"]
     # A top-k sync sends k values and indices of w and b uncompressed; a plain one the whole model, as an allreduce.
