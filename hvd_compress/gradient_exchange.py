@@ -152,13 +152,13 @@ class GradientExchange(tf.Module):
         self.compression, self.monitor = compression, detector
 
     # -- planning and state -------------------------------------------------------------
-    def build(self, variables, new_replicated=None, holder=None, optimizer=None):
+    def build(self, variables, new_replicated=None, holder=None, optimizer=None, state_key=state.RANK_STATE):
         """Plans the layout, chooses the worker rule (rules.choose: from the compressor's update_rule and
         `optimizer`, the wrapped Keras optimizer, None under a tape) and creates the state.
 
         new_replicated(spec) -> variable creates replicated state (default: this
         module's variables); holder tracks the per-rank state for checkpoints
-        (default: this module).
+        (default: this module) under state_key.
         """
         if self.built:
             return
@@ -182,6 +182,7 @@ class GradientExchange(tf.Module):
                              "with warmup_steps=0.")
         object.__setattr__(self, "_new_replicated", new_replicated or self._new_module_variable)
         object.__setattr__(self, "_holder", holder or self)
+        self.state_key = state_key
         object.__setattr__(self, "replicated", {})  # name -> variable: created once, kept across worlds
         # A tape brings no step counter, and random-k, PowerSGD without warm start and the sketches
         # draw from the step: an exchange that owns its state counts its own steps. A stateless one
@@ -310,7 +311,7 @@ class GradientExchange(tf.Module):
         if self.monitor is not None:
             self.monitor.build(self.variable_names, self.layout, new_state)
         object.__setattr__(self, "rank_state", rank_state)
-        state.track(self._holder, rank_state)  # a pending checkpoint restore happens here
+        state.track(self._holder, rank_state, self.state_key)  # a pending checkpoint restore happens here
         self._plan_agreement(previous)
         dense_compression = NoneCompressor if self.compression.requires_optimizer else self.compression
         if self.hierarchical:

@@ -149,18 +149,19 @@ def describe(specs):
 RANK_STATE = "hc_rank_state"  # the checkpoint key of a holder's RankLocalState
 
 
-def track(holder, rank_state):
-    """Makes `rank_state` the checkpoint dependency RANK_STATE of holder (an optimizer or a
-    module), replacing an earlier one; a restore pending for it happens now."""
-    holder._track_trackable(rank_state, RANK_STATE, overwrite=True)
+def track(holder, rank_state, key=RANK_STATE):
+    """Makes `rank_state` the checkpoint dependency `key` of holder (an optimizer or a module),
+    replacing an earlier one; a restore pending for it happens now. A holder of several exchanges
+    (DiLoCo's fragments) gives each its own key."""
+    holder._track_trackable(rank_state, key, overwrite=True)
 
 
-def checkpoint_children(children, rank_state, save_type):
-    """A holder's checkpoint children: RANK_STATE in checkpoints, never in a SavedModel (a model
-    file carries replicated state only; see RankLocalState)."""
-    children = {k: v for k, v in children.items() if k != RANK_STATE}
+def checkpoint_children(children, rank_state, save_type, key=RANK_STATE):
+    """A holder's checkpoint children: its RankLocalState under `key` in checkpoints, never in a
+    SavedModel (a model file carries replicated state only; see RankLocalState)."""
+    children = {k: v for k, v in children.items() if k != key}
     if rank_state is not None and save_type != "savedmodel":
-        children[RANK_STATE] = rank_state
+        children[key] = rank_state
     return children
 
 

@@ -577,23 +577,56 @@ class DiLoCo:
     """DiLoCo's outer step (hvd_compress/diloco.py) for n simulated ranks on one flat float32 vector: after the
     inner steps, Delta_i = theta - x_i; `mean(deltas)` averages them (with its own error feedback where it
     compresses; error_decay first scales that feedback, `residuals()`); m = mu m + Delta; theta -= lr (Delta +
-    mu m) (Nesterov), lr m (heavy ball) or lr Delta (mu = 0); every x_i = theta."""
+    mu m) (Nesterov), lr m (heavy ball) or lr Delta (mu = 0); every x_i = theta.
 
-    def __init__(self, start, n, lr, mu, nesterov, mean, residuals=lambda: [], error_decay=1.0):
+    Streaming (`after_step`): `fragments` is a list of (index array, mean, residuals), fragment f starting its
+    sync after inner steps phase_f + k H, phase_f = (f + 1) H // F; the averaged change lands `delay` steps
+    later (the outer step then) and x_i's fragment becomes alpha x_i + (1 - alpha) theta."""
+
+    def __init__(self, start, n, lr, mu, nesterov, mean, residuals=lambda: [], error_decay=1.0, sync_every=1,
+                 fragments=None, delay=0, alpha=0.0):
         self.theta = np.asarray(start, np.float32).copy()
         self.x = [self.theta.copy() for _ in range(n)]
         self.m = np.zeros_like(self.theta)
         self.lr, self.mu, self.nesterov = np.float32(lr), np.float32(mu), nesterov
-        self.mean, self.residuals, self.error_decay = mean, residuals, np.float32(error_decay)
+        self.error_decay, self.alpha, self.keep = np.float32(error_decay), np.float32(alpha), np.float32(1 - alpha)
+        self.fragments = fragments or [(np.arange(self.theta.size), mean, residuals)]
+        self.h, self.delay = sync_every, delay
+        self.phases = [(f + 1) * sync_every // len(self.fragments) for f in range(len(self.fragments))]
+        self.in_flight = {}  # fragment -> its averaged change
 
     def sync(self):
+        """Every fragment starts and lands now (plain DiLoCo)."""
+        for f in range(len(self.fragments)):
+            self._start(f)
+            self._land(f)
+
+    def after_step(self, count):
+        """After inner step `count` (from 1): the fragments whose exchange lands, then those that start."""
+        def due(phase):
+            return count >= phase and (count - phase) % self.h == 0
+        for f, phase in enumerate(self.phases):
+            if self.delay and due(phase + self.delay):
+                self._land(f)
+            if due(phase):
+                self._start(f)
+                if not self.delay:
+                    self._land(f)
+
+    def _start(self, f):
+        index, mean, residuals = self.fragments[f]
         if self.error_decay != 1:
-            for e in self.residuals():
+            for e in residuals():
                 e *= self.error_decay
-        delta = self.mean([self.theta - x for x in self.x])
+        self.in_flight[f] = mean([self.theta[index] - x[index] for x in self.x])
+
+    def _land(self, f):
+        index, delta = self.fragments[f][0], self.in_flight.pop(f)
         step = delta
         if self.mu:
-            self.m = self.mu * self.m + delta
-            step = delta + self.mu * self.m if self.nesterov else self.m
-        self.theta = self.theta - self.lr * step
-        self.x = [self.theta.copy() for _ in self.x]
+            self.m[index] = self.mu * self.m[index] + delta
+            step = delta + self.mu * self.m[index] if self.nesterov else self.m[index]
+        self.theta[index] = self.theta[index] - self.lr * step
+        for x in self.x:
+            x[index] = (self.alpha * x[index] + self.keep * self.theta[index] if self.alpha
+                        else self.theta[index])

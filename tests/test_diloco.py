@@ -7,15 +7,20 @@ from hvdrun import KERASES, run_ranks
 def test_diloco_matches_the_numpy_reference_at_2_to_4_ranks():
     """H inner steps (SGD, or AdamW with each rank's own state), then the outer step: Nesterov or heavy-ball
     momentum, or SparseLoCo's decayed error feedback on a top-k pseudo-gradient; tests/workers/diloco_rule.py
-    compares every rank's x_i and theta with the reference, and theta across ranks, bit for bit; runs interrupted
-    between syncs resume from per-rank checkpoints with the uninterrupted run's bits."""
+    compares every rank's x_i and theta with the reference, and theta across ranks, bit for bit; so does Streaming
+    DiLoCo (two fragments on staggered steps, their exchanges in the background for 1 or 2 steps, merged with
+    alpha 0 or 0.5); runs interrupted between syncs (one with an exchange in flight) resume from per-rank
+    checkpoints with the uninterrupted run's bits."""
     results = run_ranks("diloco_rule.py", "--world_sizes=2,3,4", np=4, timeout=300)
     names = set(results[0]["digests"])
     assert {name.split("/")[0] for name in names} == {"2", "3", "4"}, names
     # The ranks' own x_i differ after the steps past the last sync.
     assert results[0]["digests"]["2/nesterov"] != results[1]["digests"]["2/nesterov"]
+    assert {name.split("/")[1] for name in names} >= {"streaming+nesterov", "streaming+topk+adamw"}, names
     # A top-k sync sends k values and indices of w and b uncompressed; a plain one the whole model, as an allreduce.
     assert results[0]["bytes_per_sync"]["2/topk+decay"] < results[0]["bytes_per_sync"]["2/nesterov"] / 4
+    # Fragments send the same model in parts.
+    assert results[0]["bytes_per_sync"]["2/streaming+nesterov"] == results[0]["bytes_per_sync"]["2/nesterov"]
     for r in results:  # per-rank checkpoints mid-period resume every rank's state exactly
         assert r["resumed_exactly"] and all(r["resumed_exactly"].values()), r["resumed_exactly"]
 
@@ -29,7 +34,7 @@ def test_diloco_in_model_fit_saves_loads_and_trains_on(keras, loader, np):
     ranks = [r["results"] for r in run_ranks("diloco_fit.py", f"--loader={loader}", np=np, timeout=400,
                                              env=KERASES[keras])]
     baseline = ranks[0]["baseline"]
-    for case in ("plain", "topk", "mixed"):
+    for case in ("plain", "topk", "mixed", "streaming"):
         ours = [r[case] for r in ranks]
         print(f"{keras} {np} ranks {case}: accuracy {ours[0]['accuracy']:.4f} (baseline {baseline['accuracy']:.4f}), "
               f"resumed {ours[0]['resumed_accuracy']:.4f}, loss {ours[0]['loss'][0]:.3f} -> {ours[0]['loss'][-1]:.3f}"
@@ -45,6 +50,11 @@ def test_diloco_in_model_fit_saves_loads_and_trains_on(keras, loader, np):
         assert ours[0]["resumed_loss"][-1] <= ours[0]["loss"][-1] * 1.2, case  # training continues
         assert ours[0]["resumed_accuracy"] >= ours[0]["accuracy"] - 0.03, case
         assert ours[0]["bytes_per_step"] <= ours[0]["allreduce_bytes_per_step"] / 7, case  # one sync per 8 steps
+        if case == "streaming":  # 4-bit fragments of a quarter of the elements each, in 1/8 of fp32's bytes
+            assert ours[0]["loaded_pending"], case
+            # (variables under min_compress_size travel at fp32: fragments balanced by elements differ in bytes)
+            assert ours[0]["peak_bytes"] <= ours[0]["bytes_per_sync"] / 4 * 1.5, ours[0]
+            assert ours[0]["bytes_per_step"] <= ours[0]["allreduce_bytes_per_step"] / 8 / 6, case
         if case != "mixed":  # (8 epochs: 14 syncs at 3 ranks, where DiLoCo lost 2.5-3.3 points; 22 at 2: 0.8-1.7)
             assert ours[0]["accuracy"] >= baseline["accuracy"] - 0.05, case
     classes = ranks[0]["classes"]

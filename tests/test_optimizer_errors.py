@@ -399,6 +399,12 @@ except TypeError as error:
     (dict(sync_every=4, error_decay=0.95), ValueError, "error_decay=0.95 decays the error feedback"),
     (dict(sync_every=4, error_decay=1.5, compression=hc.Compression.topk(ratio=0.01)), ValueError, "error_decay must"),
     (dict(sync_every=4, compression="topk"), TypeError, "hvd_compress.Compression"),
+    (dict(sync_every=4, fragments=0), ValueError, "fragments must be a whole number from 1 to sync_every=4"),
+    (dict(sync_every=4, fragments=5), ValueError, "fragments must be a whole number from 1 to sync_every=4"),
+    (dict(sync_every=4, sync_delay=4), ValueError, "sync_delay must be .* from 0 to sync_every - 1 = 3"),
+    (dict(sync_every=4, sync_delay=-1), ValueError, "sync_delay must be"),
+    (dict(sync_every=4, sync_delay=1, merge_alpha=1.0), ValueError, "merge_alpha must be a number in"),
+    (dict(sync_every=4, merge_alpha=0.5), ValueError, "sync_delay=0 leaves none: give sync_delay="),
 ])
 def test_bad_diloco_arguments_are_refused_before_training(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -425,3 +431,11 @@ def test_a_fit_in_which_diloco_never_syncs_is_reported_before_its_first_step(cap
                   callbacks=[hc.callbacks.MetricAverageCallback()])
     assert "no sync" not in caplog.text
     assert int(model.optimizer.diloco.inner_steps.numpy()) == 56
+
+
+def test_streaming_diloco_cuts_a_model_with_too_few_rows_before_any_collective():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])  # 3 + 1 rows
+    model.compile(hc.DiLoCo(sgd(), sync_every=8, fragments=5), "mse")
+    x = np.ones((16, 3), np.float32)
+    with pytest.raises(ValueError, match=r"fragments=5\) cuts the model by rows .* has 4 rows: give fewer"):
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)

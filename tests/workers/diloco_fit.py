@@ -4,6 +4,9 @@ Per case of --cases:
 - "baseline": hc.DistributedOptimizer(AdamW), uncompressed, for the accuracy DiLoCo is held next to;
 - "plain", "topk": hc.DiLoCo(AdamW, sync_every=SYNC_EVERY) without and with top-k on the pseudo-gradient;
 - "mixed": plain DiLoCo under the mixed_float16 policy (model.compile adds the LossScaleOptimizer);
+- "streaming": Streaming DiLoCo, 4-bit pseudo-gradients in FRAGMENTS fragments whose exchanges run in the
+  background for SYNC_DELAY steps (the probe compares theta, as the ranks' weights differ in the fragments that
+  trained on since their sync; files are written with exchanges in flight);
 - "classes": every optimizer class of keras.optimizers as the inner one, on a small dense model: a fit that
   ends on a sync, rank 0's file (.keras, or tf_keras's .h5) loaded with --loader, a fit on.
 Each fits with the broadcast, metric-average and Consensus callbacks; a probe records the weights' fingerprint
@@ -24,7 +27,7 @@ from _worker import bits_fingerprint, define_list_of, keras_and_broadcast, repor
 
 import digits
 
-CASES = ("baseline", "plain", "topk", "mixed", "classes")
+CASES = ("baseline", "plain", "topk", "mixed", "streaming", "classes")
 #: keras.optimizers' names that are no optimizer one trains with directly
 NOT_OPTIMIZERS = {"LossScaleOptimizer", "MultiOptimizer", "Optimizer", "OptimizerMap"}
 define_list_of("cases", CASES, list(CASES), "Cases.")
@@ -32,21 +35,26 @@ flags.DEFINE_enum("loader", "hc", ["hc", "keras"], "How every rank loads rank 0'
 flags.DEFINE_integer("epochs", 8, "Epochs of each fit.")
 FLAGS = flags.FLAGS
 SYNC_EVERY, RESUMED_EPOCHS = 8, 2
+FRAGMENTS, SYNC_DELAY = 4, 3
 
 
 class SyncProbe(tf.keras.callbacks.Callback):
-    """Fingerprints of the weights after every batch that ended a sync (DiLoCo's inner steps a multiple of H),
-    compared across the ranks at each epoch's end; `synced` counts the syncs checked."""
+    """Fingerprints of the weights (streaming: of theta) after every batch that ended a sync period (DiLoCo's
+    inner steps a multiple of H), compared across the ranks at each epoch's end; `synced` counts the syncs
+    checked."""
 
-    def __init__(self, every):
+    def __init__(self, every, case):
         super().__init__()
-        self.every, self.recorded, self.synced, self.synced_at = every, [], 0, set()
+        self.every, self.case, self.recorded, self.synced, self.synced_at = every, case, [], 0, set()
 
     def on_train_begin(self, logs=None):
-        self.fingerprint = bits_fingerprint(self.model.trainable_weights)
+        self.fingerprint = None
 
     def on_train_batch_end(self, batch, logs=None):
         optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        if self.fingerprint is None:  # (theta is made at the first step)
+            self.fingerprint = bits_fingerprint(self.model.trainable_weights if self.case != "streaming" else
+                                                optimizer.diloco.snapshots)
         steps = int(optimizer.diloco.inner_steps.numpy())
         if steps % self.every == 0 and steps not in self.synced_at:
             self.synced_at.add(steps)
@@ -63,8 +71,12 @@ class SyncProbe(tf.keras.callbacks.Callback):
 def optimizer_of(keras, case):
     if case == "baseline":
         return hc.DistributedOptimizer(keras.optimizers.AdamW(2e-3, weight_decay=0.01))
+    inner = keras.optimizers.AdamW(2e-3, weight_decay=0.01)
+    if case == "streaming":
+        return hc.DiLoCo(inner, sync_every=SYNC_EVERY, compression=hc.Compression.quantize(bits=4),
+                         fragments=FRAGMENTS, sync_delay=SYNC_DELAY)
     compression = hc.Compression.topk(ratio=0.05) if case == "topk" else hc.Compression.none
-    return hc.DiLoCo(keras.optimizers.AdamW(2e-3, weight_decay=0.01), sync_every=SYNC_EVERY, compression=compression)
+    return hc.DiLoCo(inner, sync_every=SYNC_EVERY, compression=compression)
 
 
 def callbacks(keras, broadcast, case, probe):
@@ -87,7 +99,7 @@ def run(keras, broadcast, case, data, directory):
     optimizer = optimizer_of(keras, case)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
-    probe = SyncProbe(SYNC_EVERY)
+    probe = SyncProbe(SYNC_EVERY, case)
     history = model.fit(train_set, epochs=FLAGS.epochs, steps_per_epoch=steps, verbose=0,
                         callbacks=callbacks(keras, broadcast, case, probe))
     trained_loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
@@ -95,8 +107,9 @@ def run(keras, broadcast, case, data, directory):
                   syncs_checked=probe.synced)
     if case == "baseline":
         return result
-    result.update(bytes_per_step=optimizer.diloco.bytes_per_step,
-                  allreduce_bytes_per_step=optimizer.diloco.exchange.uncompressed_bytes)
+    result.update(bytes_per_step=optimizer.diloco.bytes_per_step, peak_bytes=optimizer.diloco.peak_bytes_per_step,
+                  bytes_per_sync=optimizer.diloco.bytes_per_sync,
+                  allreduce_bytes_per_step=optimizer.diloco.uncompressed_bytes)
     thetas = [s.numpy() for s in optimizer.diloco.snapshots]
     path = str(directory / f"{case}.keras")
     if hvd.rank() == 0:
@@ -107,10 +120,14 @@ def run(keras, broadcast, case, data, directory):
     result["loaded_class"] = type(inner).__name__
     result["loaded_weights"] = weights_digest(loaded) == result["digest"]
     result["loaded_theta"] = all(np.array_equal(a, b.numpy()) for a, b in zip(thetas, inner.diloco.snapshots))
+    if case == "streaming":  # the averaged changes of the exchanges in flight when rank 0 saved, to land after loading
+        pending = [p.numpy() for fragment in optimizer.diloco.pending for p in fragment]
+        result["loaded_pending"] = (max(np.abs(p).max() for p in pending) > 0 and all(
+            np.array_equal(a, b.numpy()) for a, b in zip(pending, sum(inner.diloco.pending, []))))
     result["loaded_loss"] = float(loaded.evaluate(x_test, y_test, verbose=0)[0])
     result["trained_loss"] = float(trained_loss)
     uneven_set, _ = uneven(x_train, y_train)
-    resumed_probe = SyncProbe(SYNC_EVERY)
+    resumed_probe = SyncProbe(SYNC_EVERY, case)
     resumed = loaded.fit(uneven_set, epochs=RESUMED_EPOCHS, verbose=0,
                          callbacks=callbacks(keras, broadcast, case, resumed_probe))
     result.update(resumed_loss=resumed.history["loss"], resumed_digest=weights_digest(loaded),
