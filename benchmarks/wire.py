@@ -128,6 +128,9 @@ VARIANTS = {
     "diloco_average_h5": ("diloco", dict(sync_every=5, outer_learning_rate=1.0, outer_momentum=0.0)),
     "sparseloco_h5": ("sparseloco", dict(sync_every=5)),
     "sparseloco_h5_10pct": ("sparseloco", dict(sync_every=5, compression=registry.compression("topk", ratio=0.1))),
+    # the plain average (outer rate 1, no momentum) in 4 bits, whole or streamed: 160x fewer bytes than fp32
+    "diloco_average_q4": ("diloco_q4", dict(outer_learning_rate=1.0, outer_momentum=0.0)),
+    "streaming_average_q4": ("streaming_diloco", dict(outer_learning_rate=1.0, outer_momentum=0.0)),
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
@@ -296,9 +299,10 @@ def worker():
         critical.assign(tf.zeros_like(critical))
         step().numpy()
     iface = netns.IFACE
-    # SGP with overlap: the last step's messages are still in flight after it; counted in the window that
-    # sends them (PushSum.flush waits for them), not in the next one's
-    settle = getattr(getattr(opt, "pushsum", None), "flush", lambda: None)
+    # SGP with overlap, Streaming DiLoCo: the last steps' messages or exchanges are still in flight after them;
+    # counted in the window that sends them (PushSum.flush and OuterStep.settle wait for them), not the next one's
+    settle = (getattr(getattr(opt, "pushsum", None), "flush", None) or getattr(getattr(opt, "diloco", None),
+                                                                                "settle", None) or (lambda: None))
     steps = timed_steps(opt, step)
 
     settle()
@@ -322,7 +326,7 @@ def worker():
         local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
         cross_size=hvd.cross_size(),
         inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
-        step_ms=1000 * (statistics.median(times) if steps == FLAGS.steps else statistics.fmean(times)),
+        step_ms=1000 * (statistics.fmean(times) if hasattr(opt, "diloco") else statistics.median(times)),
         step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
         control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second

@@ -389,10 +389,12 @@ class _DiLoCoMixin(WrapperCore):
             children = state.checkpoint_children(children, ex.rank_state, save_type, key=OuterStep.state_key(f))
         return children
 
-    def save_own_variables(self, store):
-        """Model files (.keras): the exchanges in flight land first (their results are replicated state)."""
+    @property
+    def variables(self):
+        """Keras's list, read where model files are written (.keras, .h5) and broadcast: the exchanges in flight
+        land first (their results are replicated state)."""
         self._hc_outer.settle()
-        super().save_own_variables(store)
+        return super().variables
 
     def build(self, var_list):
         """Keras's build of the inner optimizer, then theta, the outer momentum and the exchange's plan, eagerly
