@@ -185,6 +185,8 @@ flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start: gl
                   "Gloo) or mpi (mpirun: Horovod's over MPI; the _mpi methods need it). Tables of an MPI launch are "
                   "published apart (<table>_mpi).")
 flags.DEFINE_string("out", "results/wire.json", "launcher: the rows' JSON.")
+flags.DEFINE_string("table_suffix", "", "Appended to the published tables' names, for a run whose tables stand beside "
+                    "another run's of the same models and settings (e.g. _local_steps).")
 flags.DEFINE_string("method", None, "worker: the method.")
 flags.DEFINE_string("model", None, "worker: the model.")
 flags.DEFINE_string("result", None, "worker: where this rank writes its JSON.")
@@ -405,6 +407,7 @@ def command_line():
                                inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
                                tf_cpu_allocator=FLAGS.tf_cpu_allocator,
+                               **({"table_suffix": FLAGS.table_suffix} if FLAGS.table_suffix else {}),
                                timeout=FLAGS.timeout, out=FLAGS.out)
 
 
@@ -532,7 +535,8 @@ def publish(rows):
         mine = [r for r in rows if r["model"] == model]
         several = any(r.get("hosts", r["ranks"]) < r["ranks"] for r in mine)
         name = f"wire_{model}_hosts" if several else f"wire_{model}"
-        results.publish(name + launch.table_suffix(mine[0]), render(mine), results.command_line(), source=FLAGS.out)
+        results.publish(name + launch.table_suffix(mine[0]) + FLAGS.table_suffix, render(mine), results.command_line(),
+                        source=FLAGS.out)
 
 
 if __name__ == "__main__":
