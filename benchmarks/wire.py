@@ -131,6 +131,9 @@ VARIANTS = {
     # the plain average (outer rate 1, no momentum) in 4 bits, whole or streamed: 160x fewer bytes than fp32
     "diloco_average_q4": ("diloco_q4", dict(outer_learning_rate=1.0, outer_momentum=0.0)),
     "streaming_average_q4": ("streaming_diloco", dict(outer_learning_rate=1.0, outer_momentum=0.0)),
+    # Streaming DiLoCo at full precision, each fragment's exchange in the background for 4 of the 5 steps between
+    # fragments: what the overlap hides where a sync is long
+    "streaming_diloco_fp32": ("streaming_diloco", dict(sync_delay=4, compression=registry.compression("none"))),
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")

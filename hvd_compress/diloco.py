@@ -185,8 +185,8 @@ class OuterStep:
         self.inner_steps = new_replicated("diloco_inner_steps", tf.zeros([], tf.int64))
         for f, (ex, members) in enumerate(zip(self.exchanges, self.members)):
             prefix = "" if self.fragments == 1 else f"fragment{f}/"
-            specs = [tf.TensorSpec(p.shape, tf.float32, name=f"{gradient_exchange.variable_name(self.variables[p.index])}"
-                                   f"[{p.start}:{p.stop}]") for p in members]
+            names = [f"{gradient_exchange.variable_name(self.variables[p.index])}[{p.start}:{p.stop}]" for p in members]
+            specs = [tf.TensorSpec(p.shape, tf.float32, name=name) for p, name in zip(members, names)]
             ex.build(specs, holder=holder, state_key=self.state_key(f),
                      new_replicated=lambda spec, prefix=prefix: new_replicated(prefix + spec.name,
                                                                                spec.initial_value()))
@@ -259,8 +259,8 @@ class OuterStep:
         for f, phase in enumerate(self.phases):
             if self.sync_delay:
                 tf.cond(self._due(count, phase + self.sync_delay), lambda f=f: self._land(f), tf.no_op)
-            tf.cond(self._due(count, phase), lambda f=f, phase=phase: self._start(f, (count - phase) // self.sync_every),
-                    tf.no_op)
+            sync = (count - phase) // self.sync_every
+            tf.cond(self._due(count, phase), lambda f=f, sync=sync: self._start(f, sync), tf.no_op)
 
     def _deltas(self, f):
         return [p.of(self.snapshots[p.index]) - tf.cast(p.of(self.variables[p.index]), tf.float32)
