@@ -508,6 +508,8 @@ def render(rows):
             + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
             + f"; median step of the slowest "
             f"rank over {r0['steps']} steps after {r0['warmup']}"
+            + ("; local-step methods (DiLoCo): the mean step over whole sync periods, the --steps rounded up to them"
+               if any(is_local_steps(r["method"]) for r in rows) else "")
             + (f", the round of the median step of {len(r0['step_ms_rounds'])}, every job once a round, with the rounds' "
                f"range" if len(r0.get("step_ms_rounds") or []) > 1 else "")
             + f"; {r0['inter_op_threads']} TensorFlow inter-op thread(s) "
