@@ -63,3 +63,24 @@ def test_diloco_in_model_fit_saves_loads_and_trains_on(keras, loader, np):
         assert facts["agree"] and facts["agree_after"] and facts["theta"], (name, facts)
         assert facts["loaded"] == "DiLoCo" and facts["loss"] > 0, (name, facts)
     assert all(set(r["classes"]) == set(classes) for r in ranks)
+
+
+def test_streaming_diloco_resumes_from_rank0s_file_at_another_world_size(tmp_path):
+    """Rank 0's .keras file of Streaming DiLoCo (4 fragments in 4 bits, each in flight for 3 steps), written at
+    2 ranks with exchanges in flight, loaded with hc.load_model at 3 ranks: theta, the outer momentum and the
+    averages in flight are replicated state and land at their steps there; the error feedback starts afresh.
+    The 3 ranks hold the same theta after every sync period and train on from where the 2 ranks were."""
+    files = f"--files={tmp_path}"
+    (saved, _) = [r["results"]["streaming"] for r in run_ranks("diloco_fit.py", "--cases=streaming", files, np=2,
+                                                                timeout=300)]
+    assert saved["loaded_pending"] and saved["loaded_theta"], saved
+    resumed = [r["results"]["streaming"] for r in run_ranks("diloco_fit.py", "--cases=streaming", files,
+                                                            "--resume", np=3, timeout=300)]
+    print(f"saved at 2 ranks: accuracy {saved['accuracy']:.4f}, test loss {saved['trained_loss']:.3f}; at 3 ranks "
+          f"the file's test loss {resumed[0]['loaded_loss']:.3f}, then after training on: loss "
+          f"{resumed[0]['resumed_loss']}, accuracy {resumed[0]['resumed_accuracy']:.4f}")
+    assert resumed[0]["loaded_loss"] == pytest.approx(saved["trained_loss"], rel=1e-5)  # the same model
+    assert len({r["resumed_digest"] for r in resumed}) == 1  # Consensus at the end
+    assert all(r["resumed_syncs_checked"] >= 1 for r in resumed)  # theta identical after every period
+    assert resumed[0]["resumed_loss"][-1] <= saved["loss"][-1] * 1.2  # training continues
+    assert resumed[0]["resumed_accuracy"] >= saved["accuracy"] - 0.03

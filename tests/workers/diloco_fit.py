@@ -33,6 +33,9 @@ NOT_OPTIMIZERS = {"LossScaleOptimizer", "MultiOptimizer", "Optimizer", "Optimize
 define_list_of("cases", CASES, list(CASES), "Cases.")
 flags.DEFINE_enum("loader", "hc", ["hc", "keras"], "How every rank loads rank 0's file.")
 flags.DEFINE_integer("epochs", 8, "Epochs of each fit.")
+flags.DEFINE_string("files", None, "Folder of the cases' .keras files (default: --out_dir).")
+flags.DEFINE_bool("resume", False, "Load every case's .keras file from --files, written by an earlier launch (maybe of "
+                  "another size), and train on, without training first.")
 FLAGS = flags.FLAGS
 SYNC_EVERY, RESUMED_EPOCHS = 8, 2
 FRAGMENTS, SYNC_DELAY = 4, 3
@@ -102,30 +105,43 @@ def run(keras, broadcast, case, data, directory):
     probe = SyncProbe(SYNC_EVERY, case)
     history = model.fit(train_set, epochs=FLAGS.epochs, steps_per_epoch=steps, verbose=0,
                         callbacks=callbacks(keras, broadcast, case, probe))
-    trained_loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
+    accuracy = model.evaluate(x_test, y_test, verbose=0)[1]
     result = dict(accuracy=float(accuracy), loss=history.history["loss"], digest=weights_digest(model),
                   syncs_checked=probe.synced)
     if case == "baseline":
         return result
-    result.update(bytes_per_step=optimizer.diloco.bytes_per_step, peak_bytes=optimizer.diloco.peak_bytes_per_step,
-                  bytes_per_sync=optimizer.diloco.bytes_per_sync,
-                  allreduce_bytes_per_step=optimizer.diloco.uncompressed_bytes)
-    thetas = [s.numpy() for s in optimizer.diloco.snapshots]
-    path = str(directory / f"{case}.keras")
-    if hvd.rank() == 0:
-        model.save(path)
-    hvd.allreduce(tf.constant(0.0), name=f"saved.{case}")  # rank 0's file is written
+    return {**result, **train_on(keras, broadcast, case, data, directory / f"{case}.keras", model, optimizer)}
+
+
+def train_on(keras, broadcast, case, data, path, model=None, optimizer=None):
+    """Rank 0's file of the trained `model` (written here where the model is given, else by an earlier launch,
+    --resume) loaded on every rank with --loader, checked against the model where there is one, and trained
+    on for RESUMED_EPOCHS over data of unknown length, uneven across the ranks."""
+    (x_train, y_train), (x_test, y_test) = data
+    result = {}
+    if model is None:  # (another launch wrote it)
+        keras.mixed_precision.set_global_policy("mixed_float16" if case == "mixed" else "float32")
+    else:
+        result.update(bytes_per_step=optimizer.diloco.bytes_per_step, peak_bytes=optimizer.diloco.peak_bytes_per_step,
+                      bytes_per_sync=optimizer.diloco.bytes_per_sync,
+                      allreduce_bytes_per_step=optimizer.diloco.uncompressed_bytes)
+        thetas = [s.numpy() for s in optimizer.diloco.snapshots]
+        if hvd.rank() == 0:
+            model.save(path)
+        hvd.allreduce(tf.constant(0.0), name=f"saved.{case}")  # rank 0's file is written
+    path = str(path)
     loaded = hc.load_model(path) if FLAGS.loader == "hc" else keras.models.load_model(path)
     inner = getattr(loaded.optimizer, "inner_optimizer", loaded.optimizer)
     result["loaded_class"] = type(inner).__name__
-    result["loaded_weights"] = weights_digest(loaded) == result["digest"]
-    result["loaded_theta"] = all(np.array_equal(a, b.numpy()) for a, b in zip(thetas, inner.diloco.snapshots))
-    if case == "streaming":  # the averaged changes of the exchanges in flight when rank 0 saved, to land after loading
-        pending = [p.numpy() for fragment in optimizer.diloco.pending for p in fragment]
-        result["loaded_pending"] = (max(np.abs(p).max() for p in pending) > 0 and all(
-            np.array_equal(a, b.numpy()) for a, b in zip(pending, sum(inner.diloco.pending, []))))
     result["loaded_loss"] = float(loaded.evaluate(x_test, y_test, verbose=0)[0])
-    result["trained_loss"] = float(trained_loss)
+    if model is not None:
+        result["loaded_weights"] = weights_digest(loaded) == weights_digest(model)
+        result["loaded_theta"] = all(np.array_equal(a, b.numpy()) for a, b in zip(thetas, inner.diloco.snapshots))
+        result["trained_loss"] = float(model.evaluate(x_test, y_test, verbose=0)[0])
+        if case == "streaming":  # the averaged changes of exchanges in flight when rank 0 saved, to land after loading
+            pending = [p.numpy() for fragment in optimizer.diloco.pending for p in fragment]
+            result["loaded_pending"] = (max(np.abs(p).max() for p in pending) > 0 and all(
+                np.array_equal(a, b.numpy()) for a, b in zip(pending, sum(inner.diloco.pending, []))))
     uneven_set, _ = uneven(x_train, y_train)
     resumed_probe = SyncProbe(SYNC_EVERY, case)
     resumed = loaded.fit(uneven_set, epochs=RESUMED_EPOCHS, verbose=0,
@@ -172,7 +188,11 @@ def main(_):
     keras, broadcast = keras_and_broadcast()
     hvd.init()
     data = digits.load(0)
-    directory = pathlib.Path(FLAGS.out_dir)
+    directory = pathlib.Path(FLAGS.files or FLAGS.out_dir)
+    if FLAGS.resume:
+        report(hvd, results={case: train_on(keras, broadcast, case, data, directory / f"{case}.keras")
+                             for case in FLAGS.cases})
+        return
     report(hvd, results={case: every_class(keras, broadcast, directory) if case == "classes" else
                          run(keras, broadcast, case, data, directory) for case in FLAGS.cases})
 
