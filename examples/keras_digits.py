@@ -5,9 +5,9 @@
 --compression is a method of hvd_compress's registry, hc.methods (its names and defaults; the
 flags below change some of them): none, fp16, onebit (two-way dist-EF-SGD), onebit_oneway,
 quantize8, quantize4, topk, randomk, powersgd, sketch, fetchsgd; sgp, which trains with
-Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients; or diloco and sparseloco, which
-take 20 local steps of AdamW (DiLoCo's inner optimizer; --lr is then AdamW's) between syncs (hc.DiLoCo). Where
-the ranks hold different models (sgp, diloco, sparseloco), fit ends on their average (hc.callbacks.Consensus),
+Stochastic Gradient Push (hc.PushSumOptimizer) instead of averaging gradients; or the local-step methods diloco,
+sparseloco, diloco_q4 and streaming_diloco, which take 20 local steps of AdamW (DiLoCo's inner optimizer; --lr is
+then AdamW's) between syncs (hc.DiLoCo). Where the ranks hold different models (sgp, the local-step methods), fit ends on their average (hc.callbacks.Consensus),
 which is evaluated (per epoch: rank 0's own model). Horovod's own baselines
 (horovod_fp32, horovod_fp16) need tf_keras: see keras_text.py.
 Prints the test accuracy and the bytes each worker sent per step; --history writes the
@@ -33,7 +33,7 @@ from hvd_compress.exchange import allreduce_bytes  # noqa: E402
 #: Horovod's own DistributedOptimizer needs tf_keras, and this example runs in whichever Keras tf.keras is
 METHODS = [name for name in hc.methods.NAMES if not name.startswith("horovod_")]
 flags.DEFINE_enum("compression", "onebit", METHODS, "Method of hc.methods (sgp: gossip instead of averaging; diloco, "
-                  "sparseloco: local AdamW steps).")
+                  "sparseloco, diloco_q4, streaming_diloco: local AdamW steps).")
 flags.DEFINE_integer("block_size", None, "onebit, onebit_oneway, quantize8, quantize4: elements per scale "
                      "(default: hc.methods', one block per tensor for onebit).")
 flags.DEFINE_float("ratio", None, "topk, randomk: fraction of each bucket sent (default: hc.methods').")
@@ -42,8 +42,8 @@ flags.DEFINE_integer("rank", None, "powersgd: rank of the approximation (default
 flags.DEFINE_bool("stochastic", None, "quantize8, quantize4: stochastic rounding (default: hc.methods').")
 flags.DEFINE_integer("epochs", 8, "Training epochs.")
 flags.DEFINE_integer("batch_size", 32, "Batch size per rank.")
-flags.DEFINE_float("lr", None, "SGD's learning rate per rank, scaled by the number of ranks (default 0.05); for diloco "
-                   "and sparseloco AdamW's (default 0.002).")
+flags.DEFINE_float("lr", None, "SGD's learning rate per rank, scaled by the number of ranks (default 0.05); for the "
+                   "local-step methods AdamW's (default 0.002).")
 flags.DEFINE_integer("seed", 0, "Seed for the split, initial weights, shuffling and the compressions that draw.")
 flags.DEFINE_string("history", None, "Where rank 0 writes the per-epoch logs (JSON).")
 FLAGS = flags.FLAGS
