@@ -195,12 +195,12 @@ class OuterStep:
             # One token per landed exchange: the step that lands it waits in a dequeue, which holds no TensorFlow
             # thread while it waits (the background exchange needs them: all of them under TF_NUM_INTEROP_THREADS=1).
             self.landed = [tf.queue.FIFOQueue(1, [tf.int32], [[]]) for _ in range(self.fragments)]
-        self.check_ranks_agree()
         self.built = True
 
     def check_ranks_agree(self):
-        """Each exchange's check that the ranks agree, here on the training thread (eagerly, before the first
-        step): an eager Horovod op is named by its type, so two threads' eager ops of a type would collide."""
+        """Each exchange's check that the ranks agree (a collective, once per plan), at the first step and on the
+        training thread: an eager Horovod op is named by its type, so the background thread's would collide with
+        the training thread's. (Not at build: rank 0 alone may load a model file, which builds the optimizer.)"""
         for ex in self.exchanges:
             ex.agreement.check()
 
@@ -247,7 +247,6 @@ class OuterStep:
         self.settle()
         for ex in self.exchanges:
             ex.replan()
-        self.check_ranks_agree()
 
     def _due(self, count, phase):
         return tf.logical_and(count >= phase, tf.equal(tf.math.floormod(count - phase, self.sync_every), 0))
@@ -255,6 +254,7 @@ class OuterStep:
     def __call__(self):
         """After an inner step: counts it; each fragment whose exchange landed takes its outer step, and each
         whose phase this step is starts its sync (and, without a delay, takes its outer step now)."""
+        self.check_ranks_agree()
         count = self.inner_steps.assign_add(1)
         for f, phase in enumerate(self.phases):
             if self.sync_delay:

@@ -46,6 +46,7 @@ def test_diloco_in_model_fit_saves_loads_and_trains_on(keras, loader, np):
         assert all(r["syncs_checked"] >= 4 and r["resumed_syncs_checked"] >= 1 for r in ours), case
         assert all(r["loaded_class"] == "DiLoCo" and r["loaded_weights"] and r["loaded_theta"] for r in ours), case
         assert ours[0]["loaded_loss"] == pytest.approx(ours[0]["trained_loss"], rel=1e-5), case
+        assert ours[0]["alone_loss"] == pytest.approx(ours[0]["trained_loss"], rel=1e-5), case  # rank 0 alone
         assert ours[0]["loss"][-1] < ours[0]["loss"][0] / 2, case
         assert ours[0]["resumed_loss"][-1] <= ours[0]["loss"][-1] * 1.2, case  # training continues
         assert ours[0]["resumed_accuracy"] >= ours[0]["accuracy"] - 0.03, case

@@ -115,8 +115,8 @@ def run(keras, broadcast, case, data, directory):
 
 def train_on(keras, broadcast, case, data, path, model=None, optimizer=None):
     """Rank 0's file of the trained `model` (written here where the model is given, else by an earlier launch,
-    --resume) loaded on every rank with --loader, checked against the model where there is one, and trained
-    on for RESUMED_EPOCHS over data of unknown length, uneven across the ranks."""
+    --resume; rank 0 also loads it alone) loaded on every rank with --loader, checked against the model where there is
+    one, and trained on for RESUMED_EPOCHS over data of unknown length, uneven across the ranks."""
     (x_train, y_train), (x_test, y_test) = data
     result = {}
     if model is None:  # (another launch wrote it)
@@ -128,6 +128,8 @@ def train_on(keras, broadcast, case, data, path, model=None, optimizer=None):
         thetas = [s.numpy() for s in optimizer.diloco.snapshots]
         if hvd.rank() == 0:
             model.save(path)
+            # alone (compile=True builds the optimizer, and must not wait for the other ranks)
+            result["alone_loss"] = float(keras.models.load_model(path).evaluate(x_test, y_test, verbose=0)[0])
         hvd.allreduce(tf.constant(0.0), name=f"saved.{case}")  # rank 0's file is written
     path = str(path)
     loaded = hc.load_model(path) if FLAGS.loader == "hc" else keras.models.load_model(path)
