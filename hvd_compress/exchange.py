@@ -166,6 +166,8 @@ class Exchange:
     #: the StateSpecs this exchange needs, created once by the GradientExchange
     state = ()
     bytes_sent = 0.0
+    #: collectives one step runs, one after another (the cost model's hand-over and latency terms)
+    collectives = 1
     #: True: the worker's momentum is zeroed where Exchanged.applied says the update was applied
     #: (sketched SGD's momentum masking)
     masks_momentum = False
@@ -224,6 +226,10 @@ class Switching(Exchange):
         return self.chosen.bytes_sent
 
     @property
+    def collectives(self):
+        return self.chosen.collectives
+
+    @property
     def cross_host_bytes(self):
         """hierarchical: the chosen exchange's bytes to other hosts (a flat one, such as the warm-up's
         full-precision mean, counts all it sends)."""
@@ -278,6 +284,7 @@ class OrderedMean(Exchange):
         self.shards = [int(n) for n in np.diff(shard_cuts(bucket.num_elements, bucket.size))]
         mine = self.shards[bucket.rank]
         self.bytes_sent = 4 * (bucket.num_elements - mine) + allgather_bytes(4 * mine, bucket.size)
+        self.collectives = 2  # alltoall, allgather
 
     def __call__(self, parts, state, step):
         bucket = self.bucket
@@ -349,6 +356,11 @@ class Hierarchical(Exchange):
     def cross_host_bytes(self):
         """What one worker sends to other hosts per step (Accordion's inner exchange: at its current setting)."""
         return self.inner.bytes_sent if self.inner is not None else 0.0
+
+    @property
+    def collectives(self):
+        """The host's alltoall and allgather around the hosts' exchange."""
+        return 2 + (self.inner.collectives if self.inner is not None else 0)
 
     @property
     def bytes_sent(self):
@@ -447,6 +459,7 @@ class ShardedTwoWay(Exchange):
         total = sum(s["payload"] for s in self.shards)
         # alltoall: all but my own shard; allgather: my shard to the n - 1 others.
         self.bytes_sent = (total - mine["payload"]) + allgather_bytes(mine["payload"], bucket.size)
+        self.collectives = 2  # alltoall, allgather
 
     def residual(self, state):
         return list(state.values())
@@ -500,6 +513,7 @@ class DenseAllreduce:
         payload = sum(int(np.prod(s, dtype=np.int64)) * compression.wire_bytes(self.summed_dtype(d))
                       for s, d in zip(shapes, dtypes))
         self.bytes_sent = allreduce_bytes(payload, size)
+        self.collectives = 1 if shapes else 0  # one grouped allreduce
 
     @staticmethod
     def summed_dtype(dtype):
@@ -574,6 +588,7 @@ class HalfAllreduce:
                 # Every shard but my own to its owner, then my mean shard to the n - 1 others.
                 self.bytes_sent += 2 * (end - begin - shards[rank]) + allgather_bytes(2 * shards[rank], size)
             self.pieces.append(pieces)
+        self.collectives = 2 * sum(len(p) for p in self.pieces)  # each piece's alltoall and allgather
 
     def __call__(self, tensors):
         out = [None] * len(tensors)
@@ -625,6 +640,7 @@ class HierarchicalDense:
                                 hosts.cross, hvd.Average, 1.0, fusion_threshold_bytes, name + ".cross")
         #: whether this rank's shard travels to other hosts (else the host's mean is the update)
         self.crosses = mine > 0 and hosts.cross_size > 1
+        self.collectives = 2 + (self.cross.collectives if self.crosses else 0)
         self.cross_host_bytes = self.cross.bytes_sent if self.crosses else 0.0
         self.bytes_sent = hierarchical_bytes(sum(self.sizes), mine, self.cross_host_bytes, hosts.local_size)
 

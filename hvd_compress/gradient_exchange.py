@@ -75,6 +75,17 @@ class Layout:
         return sum(self.sizes[i] for i in bucket)
 
 
+def bucket_name(collective_name, b):
+    """The name of bucket b's collectives."""
+    return f"{collective_name}.bucket{b}"
+
+
+def plan_buckets(layout, rank, size, process_set, collective_name):
+    """The exchange.Buckets of a layout's compressed variables on a world (also hvd_compress.cost's, offline)."""
+    return [exchange.Bucket(b, [layout.shapes[i] for i in bucket], rank, size, process_set,
+                            bucket_name(collective_name, b)) for b, bucket in enumerate(layout.buckets)]
+
+
 def _new_replicated_variable(spec):
     return tf.Variable(spec.initial_value(), trainable=False, name=f"hc_{safe_name(spec.name)}")
 
@@ -275,8 +286,7 @@ class GradientExchange(tf.Module):
         rank, size = self.process_set.rank(), self.process_set.size()
         previous, self.world = self.world, (hvd.rank(), size)
         # Plan every exchange first: a bad size is refused before any collective runs.
-        buckets = [exchange.Bucket(b, [self.layout.shapes[i] for i in bucket], rank, size, self.process_set,
-                                   self._collective(b)) for b, bucket in enumerate(self.layout.buckets)]
+        buckets = plan_buckets(self.layout, rank, size, self.process_set, self.collective_name)
         if self.hierarchical:
             hosts.check_hosts_can_be_planned(self.process_set)
             self.hosts = hosts.HostSets()
@@ -327,7 +337,7 @@ class GradientExchange(tf.Module):
 
     def _collective(self, b):
         """The name of bucket b's collectives."""
-        return f"{self.collective_name}.bucket{b}"
+        return bucket_name(self.collective_name, b)
 
     def _state_variable(self, spec, rank_state):
         """The variable of a StateSpec: replicated state is created once (and reused when the world

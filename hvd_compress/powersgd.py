@@ -75,6 +75,7 @@ class LowRankAllreduce(Exchange):
         rank, size = compressor.rank, bucket.size
         self.bytes_sent = (allreduce_bytes(4 * rank * sum(n for n, _ in self.matrices), size)
                            + allreduce_bytes(4 * rank * sum(m for _, m in self.matrices), size))
+        self.collectives = 2  # P's allreduce, then Q's
 
     def _shared_normal(self, j, step=0):
         seed = stateless_seed(self.compressor.seed, self.bucket.index * 4096 + j, step)

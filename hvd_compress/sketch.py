@@ -200,6 +200,7 @@ class SketchAllreduce(Exchange):
         self.bytes_sent = (allreduce_bytes(4 * self.rows * self.cols, bucket.size)
                            + (allreduce_bytes(4 * self.num_candidates, bucket.size)
                               if compressor.second_round else 0))
+        self.collectives = 2 if compressor.second_round else 1  # the sketches, then the candidates' values
 
     def __call__(self, parts, state, step):
         flat = concat(parts)

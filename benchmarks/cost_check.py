@@ -1,0 +1,223 @@
+"""The cost model (hvd_compress/cost.py) against every published shaped-link row: predicted step beside measured.
+
+    .venv/bin/python benchmarks/cost_check.py            # reads docs/benchmarks.md's wire tables, publishes cost_check
+
+Measures nothing: it reads the tables benchmarks/wire.py published in docs/benchmarks.md (every `wire_*` section)
+and, for each row, predicts the step from
+- compute: the same table's no_exchange row on the same link and layout (the floor); a table without one takes
+  Horovod fp32's row less its predicted link time (what a user knows of a job that runs today), and that row is then
+  the calibration, not a prediction;
+- own: the published one-rank costs under the table's optimizer (cost.published_cpu; `--optimizer` of the command
+  that made the table, SGD where it names none), per element, times the table's model's elements;
+- bytes and collectives: planned for the table's model by the optimizer's own planning (cost.planned_bytes), on its
+  layout (`hosts` column: H hosts of L ranks) at its link rate with the link's `--latency_us`.
+A row is within the bar where |predicted / measured - 1| <= --tolerance. Methods the model does not cover
+(Accordion's switching) are listed as such. The table names each source table's machine: the one-rank costs came
+from a 2-core AMD EPYC, and the tables from several machines, so a row's error holds the machines' difference too.
+"""
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from absl import app, flags  # noqa: E402
+
+import results  # noqa: E402
+import wire  # noqa: E402
+from hvd_compress import cost  # noqa: E402
+from hvd_compress import methods as registry  # noqa: E402
+
+flags.DEFINE_string("doc", str(results.DOC), "The page whose wire tables are checked.")
+flags.DEFINE_list("same_run", [], "WIRE_JSON:OVERHEAD_JSON pairs from one session on one machine (wire.py's and "
+                  "overhead.py's --out, same model and optimizer): their rows checked against those one-rank costs, "
+                  "in place of the published tables.")
+flags.DEFINE_bool("fit_link", True, "Where a table has both no_exchange and Horovod fp32, take the link's rate from "
+                  "Horovod fp32's step (at most the shaped rate; that row is then calibration): what one timed "
+                  "allreduce tells a user of the link.")
+flags.DEFINE_float("tolerance", 0.15, "A prediction within this fraction of the measured step meets the bar.")
+flags.DEFINE_float("latency_us", 50.0, "The shaped links' latency per message round, microseconds (veth and a bridge).")
+FLAGS = flags.FLAGS
+FLAGS.set_default("out", "results/cost_check.json")  # wire.py's flag (its models and methods are read from it)
+
+SECTION = re.compile(r"<!-- BEGIN (wire_\w+) -->\n(.*?)<!-- END \1 -->", re.S)
+NOT_MODELLED = set(wire.ACCORDION)
+
+
+def published_tables(text):
+    """(name, command, rows) of every wire table in a page's text: rows as dicts by column header."""
+    for name, body in SECTION.findall(text):
+        command = re.search(r"Made by `([^`]*)`", body)
+        lines = [line for line in body.splitlines() if line.startswith("|")]
+        if len(lines) < 3:
+            continue
+        header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+        rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]
+        yield name, command.group(1) if command else "", rows
+
+
+def number(cell):
+    """A table's figure ('1,234.5', '295.0 (256-301)') as a float."""
+    return float(cell.split()[0].replace(",", ""))
+
+
+def optimizer_of(command):
+    found = re.search(r"--optimizer[= ](\w+)", command)
+    return found.group(1) if found else "sgd"
+
+
+def machine_of(text, name):
+    """The machine named in a table's 'Made by' line."""
+    body = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n", text).group(1)
+    found = re.search(r"on (\d+ CPUs \(.*?\))\.$", body)
+    return found.group(1) if found else "?"
+
+
+def model_shapes(name, cache={}):
+    """The trainable tensors' shapes of one of wire.py's models."""
+    if name not in cache:
+        import tensorflow as tf
+        cache[name] = [tuple(v.shape) for v in wire.build_model(tf.keras, name).trainable_variables]
+    return cache[name]
+
+
+def resolve(method):
+    """wire.py's method name -> (hc.methods name, overrides, hierarchical, overlap), or None where not modelled."""
+    if method in NOT_MODELLED:
+        return None
+    hierarchical = method in wire.HIERARCHICAL
+    base = wire.HIERARCHICAL[method] if hierarchical else method
+    name, overrides = wire.VARIANTS.get(base, (base, {}))
+    overlap = bool(overrides.pop("overlap", False)) if name == "sgp" else False
+    overrides = {k: v for k, v in overrides.items() if k != "transport"}
+    return name, overrides, hierarchical, overlap
+
+
+def layout(cell):
+    """A table's hosts cell ('2x1', '2x2') -> (ranks, hosts)."""
+    hosts, local = (int(x) for x in cell.split("x"))
+    return hosts * local, hosts
+
+
+def check_table(name, optimizer, machine_name, rows, published):
+    """Every row's prediction: rows as dicts with link, hosts, model, method, step ms and accounted bytes (a published
+    table's cells, or a wire.py JSON's made into them); published, the cost.Machine of the one-rank costs."""
+    checked = []
+    for link_name in dict.fromkeys(r["link"] for r in rows):
+        for hosts_cell in dict.fromkeys(r["hosts"] for r in rows if r["link"] == link_name):
+            group = [r for r in rows if r["link"] == link_name and r["hosts"] == hosts_cell]
+            ranks, hosts = layout(hosts_cell)
+            cluster = cost.Cluster(ranks, cost.Link.parse(link_name, FLAGS.latency_us * 1e-6), hosts)
+            shapes = model_shapes(group[0]["model"])
+            elements = sum(math.prod(s) for s in shapes)
+            floor = next((r for r in group if r["method"] == "no_exchange"), None)
+            fp32 = next((r for r in group if r["method"] == "horovod_fp32"), None)
+            calibration = None
+            if floor is not None:
+                compute_s = number(floor["step ms"]) / 1e3
+                if fp32 is not None and FLAGS.fit_link:  # the link as Horovod fp32's allreduce found it
+                    calibration = fp32
+                    cluster = fitted_link(cluster, shapes, compute_s, number(fp32["step ms"]) / 1e3, published,
+                                          optimizer)
+            else:  # Horovod fp32's row less its link time: the job as it runs today
+                calibration = next(r for r in group if r["method"] == "horovod_fp32")
+                compute_s = number(calibration["step ms"]) / 1e3 - cost.predict(
+                    "horovod_fp32", shapes, 0.0, cluster, published, optimizer).total_s
+            machine = published.scaled_to(compute_s, elements)
+            for row in group:
+                if row["method"] == "no_exchange":
+                    continue
+                measured = number(row["step ms"])
+                entry = dict(table=name, machine=machine_name, optimizer=optimizer, link=link_name, hosts=hosts_cell,
+                             model=row["model"], method=row["method"], measured_ms=measured,
+                             accounted_bytes=number(row["accounted bytes/step/worker"]))
+                resolved = resolve(row["method"])
+                if resolved is None:
+                    checked.append({**entry, "status": "not modelled"})
+                    continue
+                method, overrides, hierarchical, overlap = resolved
+                step = cost.predict(method, shapes, compute_s, cluster, machine, optimizer, overrides, hierarchical,
+                                    overlap)
+                predicted = step.total_s * 1e3
+                status = "calibration" if row is calibration else (
+                    "within" if abs(predicted / measured - 1) <= FLAGS.tolerance else "outside")
+                checked.append({**entry, "status": status, "predicted_ms": predicted, "compute_ms": compute_s * 1e3,
+                                "own_ms": step.own_s * 1e3, "link_ms": step.link_s * 1e3,
+                                "planned_bytes": step.bytes_per_rank, "error": predicted / measured - 1})
+    return checked
+
+
+def fitted_link(cluster, shapes, compute_s, fp32_step_s, machine, optimizer):
+    """The cluster with its link's rate as Horovod fp32's step shows it (its bytes over the step less compute and own
+    costs; at most the shaped rate): on these 2-core machines the kernel's TCP through the veths and the shaping costs
+    the same cores the ranks compute on, so a fast shaped link carries less than its rate."""
+    step = cost.predict("horovod_fp32", shapes, compute_s, cluster, machine, optimizer)
+    seconds = fp32_step_s - compute_s - step.own_s
+    rate = min(cluster.link.rate_bps, step.host_link_bytes * 8 / seconds) if seconds > 0 else cluster.link.rate_bps
+    return dataclasses.replace(cluster, link=dataclasses.replace(cluster.link, rate_bps=rate))
+
+
+def published_rows(text):
+    """Every published wire table's rows, checked against the published one-rank costs."""
+    for name, command, table in published_tables(text):
+        optimizer = optimizer_of(command)
+        yield from check_table(name, optimizer, machine_of(text, name), table, cost.published_cpu(optimizer))
+
+
+def same_run_rows(wire_json, overhead_json):
+    """A wire.py JSON's rows checked against one-rank costs from an overhead.py JSON of the same machine and
+    optimizer (a run of both in one session: what the model can do where its parts are measured alongside)."""
+    overhead = results.load(overhead_json)
+    optimizer = overhead[0]["optimizer"]
+    model = overhead[0]["model"]
+    machine = cost.Machine.from_steps(f"{overhead_json} ({results.machine()})", model_shapes(model),
+                                      {r["method"]: r["step_ms"] for r in overhead}, optimizer)
+    rows = [{"link": r["rate"], "hosts": r["layout"], "model": r["model"], "method": r["method"],
+             "step ms": str(r["step_ms"]), "accounted bytes/step/worker": str(r["accounted"])}
+            for r in results.load(wire_json) if r["model"] == model]
+    return check_table(f"{pathlib.Path(wire_json).stem} (same run)", optimizer, results.machine(), rows, machine)
+
+
+def render(rows):
+    predicted = [r for r in rows if r["status"] in ("within", "outside")]
+    within = sum(r["status"] == "within" for r in predicted)
+    summary = (f"{within} of {len(predicted)} predicted rows within {FLAGS.tolerance:.0%} of the measured step "
+               f"({within / max(len(predicted), 1):.0%}); {sum(r['status'] == 'calibration' for r in rows)} "
+               f"calibration rows (Horovod fp32's: the compute where a table has no floor, else the link's rate), "
+               f"{sum(r['status'] == 'not modelled' for r in rows)} not modelled.")
+    table = results.markdown_table(
+        ["table", "link", "hosts", "method", "measured ms", "predicted ms", "error", "compute", "own", "link ms",
+         "planned bytes / accounted"],
+        [[r["table"], r["link"], r["hosts"], r["method"], f"{r['measured_ms']:,.1f}",
+          f"{r['predicted_ms']:,.1f}" if "predicted_ms" in r else "-",
+          f"{r['error']:+.0%}" if r["status"] in ("within", "outside") else r["status"],
+          *(f"{r[k]:,.1f}" if k in r else "-" for k in ("compute_ms", "own_ms", "link_ms")),
+          f"{r['planned_bytes'] / r['accounted_bytes']:.3f}" if r.get("accounted_bytes") and "planned_bytes" in r
+          else "-"] for r in rows])
+    machines = sorted({f"`{r['table']}`: {r['machine']}" for r in rows})
+    return "\n\n".join([summary, table, "The tables' machines: " + "; ".join(machines) + "."])
+
+
+def publish_from(data):
+    results.publish("cost_check_same_run" if FLAGS.same_run else "cost_check", render(data["rows"]), source=FLAGS.out,
+                    doc=results.REPO / "docs" / "cost_model.md")
+
+
+def main(argv):
+    del argv
+    if FLAGS.same_run:
+        rows = [r for pair in FLAGS.same_run for r in same_run_rows(*pair.split(":"))]
+    else:
+        rows = list(published_rows(pathlib.Path(FLAGS.doc).read_text()))
+    print(render(rows))
+    data = dict(tolerance=FLAGS.tolerance, latency_us=FLAGS.latency_us, rows=rows)
+    results.save(FLAGS.out, data)
+    publish_from(data)
+
+
+if __name__ == "__main__":
+    app.run(results.run(main, publish_from))

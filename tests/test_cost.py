@@ -1,0 +1,114 @@
+"""The cost model (hvd_compress/cost.py), the advisor (python -m hvd_compress.advise) and the checker of the published
+shaped-link rows (benchmarks/cost_check.py), as a user calls them."""
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from hvd_compress import advise, cost
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+# What hc.DistributedOptimizer's exchanges counted on 2 ranks for the 25M MLP under momentum SGD (wire.py's accounted
+# bytes in the published table wire_mlp25m_bfc): the cost model plans the same exchanges offline.
+MEASURED_2_RANKS = dict(horovod_fp32=100_946_840, horovod_fp16=50_473_420, fp16=50_473_420, onebit=3_154_677,
+                        quantize8=26_025_452, quantize4=13_407_102, topk=2_018_976, powersgd=365_400)
+
+
+@pytest.mark.parametrize("method", sorted(MEASURED_2_RANKS))
+def test_planned_bytes_are_what_the_optimizer_counted_on_two_ranks(method):
+    assert cost.planned_bytes(method, cost.MLP25M_SHAPES, 2) == pytest.approx(MEASURED_2_RANKS[method])
+
+
+def test_under_adam_the_rules_own_defaults_are_planned():
+    """1-bit Adam's defaults (one-way, a scale per 256) settle under Adam: an allgather, whose bytes grow with n,
+    where SGD's two-way exchange stays flat."""
+    sgd = [cost.planned_bytes("onebit", cost.MLP25M_SHAPES, n, "sgd") for n in (2, 8)]
+    adam = [cost.planned_bytes("onebit", cost.MLP25M_SHAPES, n, "adamw") for n in (2, 8)]
+    assert sgd[1] < 2 * sgd[0] and adam[1] == pytest.approx(7 * adam[0], rel=1e-3)
+
+
+def test_local_steps_spread_a_sync_over_its_inner_steps():
+    sync = cost.planned_bytes("quantize4", cost.MLP25M_SHAPES, 2)
+    assert cost.planned_bytes("diloco_q4", cost.MLP25M_SHAPES, 2) == pytest.approx(sync / 20)
+
+
+def test_a_step_is_compute_plus_own_plus_link():
+    cluster = cost.Cluster(2, cost.Link.parse("1gbit", latency_s=0.0))
+    step = cost.predict("horovod_fp32", cost.MLP25M_SHAPES, 0.3, cluster, cost.published_cpu("sgd"))
+    assert step.link_s == pytest.approx(MEASURED_2_RANKS["horovod_fp32"] * 8 / 1e9)
+    assert step.total_s == pytest.approx(step.compute_s + step.own_s + step.link_s)
+    alone = cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, cost.Cluster(1, cluster.link), cost.published_cpu("sgd"))
+    assert alone.total_s == 0.3  # one rank sends nothing
+    # hierarchical on one host: nothing crosses its link
+    host = cost.Cluster(8, cost.Link.parse("10gbit"), hosts=1)
+    assert cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, host, cost.H100, hierarchical=True).host_link_bytes == 0
+
+
+def test_one_rank_costs_come_from_step_times_and_follow_the_floor():
+    shapes = [(1000, 1000)]
+    machine = cost.Machine.from_steps("here", shapes, dict(no_exchange=100.0, topk=110.0))
+    collectives = cost.planned_collectives("topk", shapes)
+    assert machine.own_s("topk", 1e6, collectives) == pytest.approx(0.010)
+    slower = machine.scaled_to(0.200, 1e6)  # a floor twice as long: the method's passes take twice as long
+    assert slower.per_element["topk"] == pytest.approx(2 * machine.per_element["topk"])
+    with pytest.raises(ValueError, match="no_exchange"):
+        cost.Machine.from_steps("here", shapes, dict(topk=110.0))
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="link rate 'fast'"):
+        cost.Link.parse("fast")
+    with pytest.raises(ValueError, match="hosts must divide ranks"):
+        cost.Cluster(6, cost.Link.parse("1gbit"), hosts=4)
+    with pytest.raises(ValueError, match="optimizer='lion'"):
+        cost.published_cpu("lion")
+    with pytest.raises(ValueError, match="compute_s"):
+        advise.advise(1_000_000, 0.0, cost.Cluster(2, cost.Link.parse("1gbit")))
+    assert cost.Link.parse("100mbit").rate_bps == 1e8 and cost.Link.parse("400gbit").rate_bps == 4e11
+
+
+def test_the_advisor_recommends_compression_only_where_it_pays():
+    slow = advise.advise(24_223_708, 0.25, cost.Cluster(2, cost.Link.parse("100mbit")), "adamw")
+    assert advise.recommend(slow).step.method == "onebit"  # 1-bit Adam: the low-risk method under AdamW
+    assert [a.step.total_s for a in slow] == sorted(a.step.total_s for a in slow)
+    # one host of 8 GPUs on NVLink, a 125M model: Horovod's allreduce is within the margin of every method
+    fast = advise.advise(125_000_000, 0.03, cost.Cluster(8, cost.Link.parse("400gbit"), hosts=8), "adamw", cost.H100)
+    assert advise.recommend(fast).step.method in advise.BASELINES
+    assert {a.risk for a in slow if a.step.method == "topk"} == {"high"}
+
+
+def test_the_advisor_takes_a_keras_model():
+    import keras
+    model = keras.Sequential([keras.layers.Input((100,)), keras.layers.Dense(2000), keras.layers.Dense(10)])
+    rows = advise.advise(model, 0.01, cost.Cluster(2, cost.Link.parse("1gbit")))
+    assert {a.step.method for a in rows} == set(advise.DEFAULT_METHODS)
+    elements = sum(math.prod(v.shape) for v in model.trainable_variables)
+    assert next(a for a in rows if a.step.method == "horovod_fp32").step.bytes_per_rank == 4 * elements
+
+
+def test_the_advisor_command():
+    proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--parameters=25m", "--compute_ms=150",
+                           "--ranks=4", "--hosts=2", "--link=1gbit", "--optimizer=adamw"],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| method | predicted step ms |" in proc.stdout and "Recommended: " in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--compute_ms=150"],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert proc.returncode != 0 and "--parameters" in proc.stderr
+
+
+def test_the_checker_reads_every_published_wire_table():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cost_check
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    tables = list(cost_check.published_tables(text))
+    assert len(tables) >= 8
+    for name, command, rows in tables:
+        assert rows and {"link", "hosts", "model", "method", "step ms"} <= set(rows[0]), name
+        assert all(cost_check.number(r["step ms"]) > 0 for r in rows), name
+    assert cost_check.number("295.0 (256-301)") == 295.0 and cost_check.optimizer_of("x --optimizer=adamw") == "adamw"
