@@ -63,7 +63,10 @@ class Advice:
 
 
 def shapes_of(model):
-    """A Keras model's trainable tensors' shapes, or stand-ins for a parameter count (cost.model_shapes)."""
+    """A Keras model's trainable tensors' shapes, stand-ins for a parameter count (cost.model_shapes), or a list of
+    shapes as it is."""
+    if isinstance(model, list) and all(isinstance(s, tuple) for s in model):
+        return model
     if isinstance(model, (int, float)):
         if model < 1:
             raise ValueError(f"parameters={model}: a model has at least one parameter.")
@@ -75,7 +78,7 @@ def shapes_of(model):
 
 
 def advise(model, compute_s, cluster, optimizer="sgd", machine=None, methods=DEFAULT_METHODS, hierarchical=None):
-    """Every method's Advice for `model` (a Keras model or a parameter count) whose step takes `compute_s` seconds with
+    """Every method's Advice for `model` (a Keras model, a parameter count or a list of shapes) whose step takes `compute_s` seconds with
     nothing sent, on `cluster` (cost.Cluster) under `optimizer` ("sgd" or "adamw"), fastest first. machine: the
     cost.Machine of the ranks (default: the published CPU figures under the optimizer). hierarchical: compress only
     across hosts (default: where hosts hold several ranks)."""

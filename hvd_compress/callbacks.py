@@ -70,6 +70,12 @@ def _from_bytes(piece, dtype, shape):
     return tf.cast(value, tf.bool) if dtype == tf.bool else value
 
 
+def auto_compression_of(model):
+    """The model's optimizer's Compression.auto() while it has not decided, else None."""
+    auto = getattr(hc_optimizer(model), "hc_auto", None)
+    return auto if auto is not None and auto.decision is None else None
+
+
 def plan_fit(model, params):
     """Before model.fit's first step: the optimizer step at which the fit ends (its epochs x steps per epoch,
     counted from epoch 0 as Keras counts them, or at least one epoch on from the optimizer's step), for the
@@ -183,9 +189,21 @@ class _DistributedTrainingCallback(Callback):
         if exchange is not None:
             exchange.note_fit_end(int(hc_optimizer(self.model).iterations.numpy()))
 
+    def on_train_batch_begin(self, batch, logs=None):
+        auto = auto_compression_of(self.model)
+        if auto is not None:
+            auto.batch_begins(int(hc_optimizer(self.model).iterations.numpy()))
+
     def on_train_batch_end(self, batch, logs=None):
         """After the first batch: the step Keras ran must have been the wrapper's. An optimizer wrapped
-        after model.fit traced its step (Keras keeps that step until model.compile) is not in it."""
+        after model.fit traced its step (Keras keeps that step until model.compile) is not in it. Compression.auto()
+        times the step and, once its calibration is over, decides (hvd_compress/auto.py)."""
+        auto = auto_compression_of(self.model)
+        if auto is not None:
+            step = int(hc_optimizer(self.model).iterations.numpy())
+            auto.batch_ends(step)
+            if auto.due(step):
+                auto.decide(self.model, hc_optimizer(self.model))
         if self.first_batch:
             self.first_batch = False
             optimizer = hc_optimizer(self.model)
@@ -213,6 +231,7 @@ class BroadcastGlobalVariablesCallback(_DistributedTrainingCallback):
         self.root_rank, self.done = root_rank, False
 
     def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch, logs)
         if not self.done and self.model.built:
             self._broadcast()
 

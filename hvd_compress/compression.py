@@ -13,6 +13,7 @@ import importlib
 
 from hvd_compress.compressor import (Compressor, FP16Compressor, NoneCompressor,  # noqa: F401 (re-exported)
                                      StatefulCompressor)
+from hvd_compress.auto import AutoCompression
 from hvd_compress.onebit import OneBitCompressor
 from hvd_compress.powersgd import PowerSGDCompressor
 from hvd_compress.quantize import QuantizeCompressor
@@ -31,6 +32,8 @@ class Compression:
     randomk = RandomKCompressor
     powersgd = PowerSGDCompressor
     sketch = SketchCompressor
+    #: the compression with the shortest predicted step, chosen during model.fit from the job's measurements
+    auto = AutoCompression
 
 
 def to_config(compression):

@@ -28,6 +28,7 @@ from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops, state, uneven
+from hvd_compress.auto import AutoCompression
 from hvd_compress.compression import Compression
 from hvd_compress.compressor import MOMENTUM_IN_FRONT
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
@@ -158,6 +159,31 @@ class _DistributedOptimizerMixin(WrapperCore):
             self._hc_passes_per_step = self.add_variable(
                 [], dtype=tf.int64, name="hc_passes_per_step",
                 initializer=lambda shape, dtype: tf.fill(shape, tf.cast(self._hc_backward_passes, dtype)))
+
+    @property
+    def hc_auto(self):
+        """The Compression.auto() this optimizer was made with (it decides during model.fit), else None."""
+        compression = self._hc_saved_settings["compression"]
+        return compression if isinstance(compression, AutoCompression) else None
+
+    def hc_switch_compression(self, compression, variables):
+        """Between two steps, on every rank at once (Compression.auto's choice): the exchange made anew for
+        `compression` with this optimizer's settings, planned and its state created now, for `variables` (the model's
+        trainable ones, in the order of its steps); the caller retraces the step. The compression is then what model
+        files save."""
+        old, settings = self._hc_exchange, self._hc_saved_settings
+        new = GradientExchange(compression, settings["process_set"], settings["op"],
+                               settings["gradient_predivide_factor"], settings["sparse_as_dense"],
+                               settings["min_compress_size"], settings["fusion_threshold_bytes"],
+                               name=old.collective_name, warmup_steps=settings["warmup_steps"],
+                               hierarchical=settings["hierarchical"])
+        new.settle(self)
+        check_compression_fits(self, new.compression)
+        new.fit_end = old.fit_end
+        object.__setattr__(self, "_hc_exchange", new)
+        object.__setattr__(self, "_hc_saved_settings", dict(settings, compression=new.compression))
+        with tf.init_scope():
+            self._hc_build_exchange(list(variables))
 
     def hc_replan(self):
         """After an elastic reset, on every rank (hvd_compress.elastic.KerasState calls it): plans the
@@ -335,11 +361,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                  name=name or f"hc.{type(optimizer).__name__}", warmup_steps=warmup_steps,
                                  hierarchical=hierarchical)
     exchange_.settle(optimizer)  # (before the settings model files save)
-    if exchange_.compression.requires_optimizer and getattr(optimizer, "use_ema", False):
-        raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
-    refuse_sparse_updates_to_factored_moments(optimizer, exchange_.compression)
-    warn_momentum_in_front_under_other_optimizers(optimizer, exchange_.compression)
-    warn_measured_losses_under_adam(optimizer, exchange_.compression)
+    check_compression_fits(optimizer, exchange_.compression)
+    if isinstance(exchange_.compression, AutoCompression) and not (hvd.is_initialized() and hvd.rank() != 0):
+        log.info("hvd_compress: %r trains at full precision for %d steps of model.fit, then chooses; it decides in "
+                 "hvd_compress's callbacks (BroadcastGlobalVariablesCallback, MetricAverageCallback): without them it "
+                 "stays at full precision.", exchange_.compression, exchange_.compression.calibration_steps)
     settings = dict(name=name, compression=exchange_.compression, sparse_as_dense=sparse_as_dense,
                     gradient_predivide_factor=gradient_predivide_factor, op=op,
                     backward_passes_per_step=backward_passes_per_step,
@@ -350,6 +376,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     wrapped = wrap_in_place(optimizer, _DistributedOptimizerMixin)
     wrapped._hc_init(exchange_, backward_passes_per_step, average_aggregated_gradients, settings)
     return wrapped
+
+
+def check_compression_fits(optimizer, compression):
+    """The refusals and warnings of `compression` under `optimizer`, when it wraps (and when Compression.auto's
+    choice replaces its compression)."""
+    if compression.requires_optimizer and getattr(optimizer, "use_ema", False):
+        raise ValueError("use_ema=True is not supported with a stateful compressor; turn it off.")
+    refuse_sparse_updates_to_factored_moments(optimizer, compression)
+    warn_momentum_in_front_under_other_optimizers(optimizer, compression)
+    warn_measured_losses_under_adam(optimizer, compression)
 
 
 def warn_momentum_in_front_under_other_optimizers(optimizer, compression):

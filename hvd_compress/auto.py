@@ -1,0 +1,172 @@
+"""Compression.auto(): the compression with the shortest predicted step, chosen from the job's own measurements.
+
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=hc.Compression.auto())
+    model.fit(..., callbacks=[hc.callbacks.BroadcastGlobalVariablesCallback(0), ...])
+
+For its first `calibration_steps` steps the optimizer averages at full precision (Horovod's fp32 allreduce, as
+`Compression.none`). After the last of them, hvd_compress's model.fit callbacks call `decide`:
+
+1. the step: this rank's median wall time over the calibration steps after the first (which traced);
+2. the link: a float32 allreduce of the model's gradient and one of a sixteenth of it, timed (the median of three
+   each): their bytes and times give the rate and the latency of a round (cost.Link); `link=` replaces this by a
+   rate the user gives (the job's production link, measured elsewhere);
+3. the compute: the step less the full gradient's allreduce;
+4. rank 0's figures are the job's: it predicts every candidate's step with the cost model (cost.predict; its own
+   costs from the published CPU tables scaled to this compute, or `machine=`), keeps the fastest of those whose
+   measured accuracy risk under the wrapped optimizer is low (advise.ACCURACY), and keeps full precision unless
+   that one is predicted faster by more than advise.MARGIN; the choice is broadcast, so every rank takes it;
+5. rank 0 logs the table and the reason; the optimizer re-plans its exchange for the choice
+   (DistributedOptimizer.hc_switch_compression) and model.fit retraces its step. From then on the choice is the
+   optimizer's compression: model files save it, and a loaded file trains with it.
+
+Where model.fit does not run through hvd_compress's callbacks (a custom loop), nothing decides: the optimizer
+stays at full precision, as rank 0 says when it wraps.
+"""
+import logging
+import math
+import statistics
+import time
+
+import numpy as np
+
+from hvd_compress.compressor import NoneCompressor
+
+log = logging.getLogger("hvd_compress")
+
+#: the methods auto() chooses among by default (hc.methods' names; each at its defaults)
+CANDIDATES = ("fp16", "onebit", "quantize8", "quantize4", "topk", "powersgd")
+#: under optimizers other than SGD and Adam(W), which no accuracy table covers: the methods whose error an adaptive
+#: optimizer's statistics tolerate (16 bits; 8-bit codes, level with AdamW on the transformer)
+OTHER_OPTIMIZERS = ("fp16", "quantize8")
+
+
+class AutoCompression(NoneCompressor):
+    """Compression.auto(methods=CANDIDATES, calibration_steps=10, link=None): full precision until it decides, then
+    the chosen compression (see the module's docstring). methods: the names of hc.methods to choose among; link: a
+    rate ('100mbit', '1gbit', ...) to predict with instead of the measured one."""
+
+    def __init__(self, methods=CANDIDATES, calibration_steps=10, link=None):
+        from hvd_compress import methods as registry
+        methods = list(methods)
+        unknown = sorted(set(methods) - set(registry.METHODS))
+        if not methods or unknown:
+            raise ValueError(f"Compression.auto(methods={methods!r}): give names of hc.methods' compressions "
+                             f"({sorted(registry.METHODS)}); unknown: {unknown}.")
+        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or calibration_steps < 3:
+            raise ValueError(f"Compression.auto(calibration_steps={calibration_steps!r}): an integer >= 3 (the first "
+                             "step traces, the others are timed).")
+        if link is not None:
+            from hvd_compress import cost
+            cost.Link.parse(link)  # a bad rate is refused here, before any step
+        self.methods, self.calibration_steps, self.link = methods, calibration_steps, link
+        self._begun, self._times, self.decision = None, {}, None
+
+    def __repr__(self):
+        return f"Compression.auto(methods={self.methods!r}, calibration_steps={self.calibration_steps}, link={self.link!r})"
+
+    # -- between steps (hvd_compress's callbacks) ------------------------------------------------------------------
+    def batch_begins(self, step):
+        self._begun = (step, time.perf_counter())
+
+    def batch_ends(self, step):
+        """Records the wall time of the optimizer's step `step` (it ran between batch_begins and now)."""
+        if self._begun is not None and step not in self._times and self.decision is None:
+            self._times[step] = time.perf_counter() - self._begun[1]
+        self._begun = None
+
+    def due(self, step):
+        """Whether the calibration is over after the optimizer's step `step` and nothing is decided yet."""
+        return self.decision is None and step >= self.calibration_steps
+
+    def decide(self, model, optimizer):
+        """Measures the link, predicts every candidate's step and switches the optimizer to the choice (every rank
+        at once, between the same two steps); retraces model.fit's step. Returns the chosen method's name."""
+        import horovod.tensorflow as hvd
+        process_set = optimizer.hc_process_set
+        variables = list(model.trainable_variables)
+        shapes = [tuple(int(d) for d in v.shape) for v in variables]
+        elements = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
+        timed = [t for step, t in sorted(self._times.items())[1:]]  # the first step traced
+        step_s = statistics.median(timed) if timed else float("nan")
+        full, small = (timed_allreduce(n, process_set) for n in (elements, max(1, elements // 16)))
+        choice, table = None, ""
+        if process_set.rank() == 0:
+            choice, table = self.choose(optimizer, shapes, step_s, full, small, process_set.size())
+        choice = hvd.broadcast_object(choice, root_rank=0, process_set=process_set, name="hc.auto.decision")
+        self.decision = choice["method"]
+        if hvd.rank() == 0:
+            log.warning("hvd_compress: Compression.auto() after %d steps: %s\n%s", len(self._times), choice["why"],
+                        table)
+        from hvd_compress import methods as registry  # (none too: the file then says so, and does not calibrate again)
+        optimizer.hc_switch_compression(registry.compression(self.decision), variables)
+        model.make_train_function(force=True)
+        return self.decision
+
+    def choose(self, optimizer, shapes, step_s, full, small, ranks):
+        """(the decision as {"method", "why"}, the predictions as a table) from rank 0's measurements: the step at
+        full precision `step_s`, allreduces of the gradient (`full` s) and of a sixteenth of it (`small` s)."""
+        from hvd_compress import advise, cost
+        elements = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        link = fitted_link(4 * elements, full, 4 * max(1, elements // 16), small, ranks)
+        # the calibration ran hc's full-precision exchange ("none": Keras's apply in fused kernels under SGD), and
+        # the machine's costs are each method's against the bare optimizer: the compute is the step less both
+        # In the step the gradient's allreduce took its bytes' time on the link (an eager one also pays Python's and
+        # Horovod's hand-over, in the fitted latency). The calibration ran hc's full-precision exchange ("none":
+        # Keras's apply in fused kernels under SGD), and the machine's costs are each method's against the bare
+        # optimizer: the compute is the step less both.
+        full_link_s = cost.predict("none", shapes, 0.0, cost.Cluster(ranks, cost.Link(link.rate_bps, 0.0)),
+                                   cost.Machine("link only", {}, 0.0)).link_s
+        rough = cost.published_cpu(kind_of(optimizer) or "sgd").scaled_to(max(step_s - full_link_s, 1e-6), elements)
+        none_s = rough.own_s("none", elements, cost.planned_collectives("none", shapes, ranks))
+        compute_s = max(step_s - full_link_s - none_s, 1e-6)
+        baseline_s = step_s  # what the job takes now, at full precision
+        if self.link is not None:  # the given link: full precision's step is predicted on it too
+            link = cost.Link.parse(self.link, link.latency_s)
+            baseline_s = compute_s + cost.predict("none", shapes, 0.0, cost.Cluster(ranks, link), rough).total_s
+        kind = kind_of(optimizer)
+        machine = cost.published_cpu(kind or "sgd").scaled_to(compute_s, elements)
+        rows = advise.advise(shapes, compute_s, cost.Cluster(ranks, link), kind or "sgd", machine, self.methods,
+                             hierarchical=False)
+        safe = [a for a in rows if (a.risk == "low" if kind else a.step.method in OTHER_OPTIMIZERS)]
+        best = min(safe, key=lambda a: a.step.total_s, default=None)
+        facts = (f"the step at full precision {step_s * 1e3:.1f} ms, an eager allreduce of the gradient "
+                 f"{full * 1e3:.1f} ms, the link {link.rate_bps / 1e9:.3g} Gbit/s ({'given' if self.link else 'measured'})")
+        if best is not None and best.step.total_s < (1 - advise.MARGIN) * baseline_s:
+            why = (f"{best.step.method}, predicted {best.step.total_s * 1e3:.1f} ms a step against "
+                   f"{baseline_s * 1e3:.1f} at full precision; {facts}")
+            return dict(method=best.step.method, why=why), advise.render(rows)
+        why = (f"no compression: no method of low accuracy risk is predicted more than {advise.MARGIN:.0%} faster than "
+               f"full precision's {baseline_s * 1e3:.1f} ms; {facts}")
+        return dict(method="none", why=why), advise.render(rows)
+
+
+def kind_of(optimizer):
+    """The optimizer's kind for the accuracy tables ("sgd", "adamw"), None for another (then only OTHER_OPTIMIZERS)."""
+    from hvd_compress import rules
+    return "adamw" if rules.is_adam(optimizer) else "sgd" if rules.is_sgd(optimizer) else None
+
+
+def timed_allreduce(elements, process_set, repeats=3):
+    """The median seconds of an eager float32 allreduce of `elements` elements over process_set (every rank)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tensor = tf.zeros([elements], tf.float32)
+    hvd.allreduce(tensor, process_set=process_set, name="hc.auto.link")  # (the first one sets up)
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        hvd.allreduce(tensor, process_set=process_set, name="hc.auto.link").numpy()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def fitted_link(big_bytes, big_s, small_bytes, small_s, ranks):
+    """The cost.Link that takes big_s for a ring allreduce of big_bytes and small_s for one of small_bytes: the rate
+    from the difference, the latency of a round from the rest (2 (n-1) rounds)."""
+    from hvd_compress import cost, exchange
+    big, small = (exchange.allreduce_bytes(b, ranks) for b in (big_bytes, small_bytes))
+    if big_s - small_s < 0.2 * big_s:  # the bytes hardly cost more time: the link is no bottleneck at this size
+        return cost.Link(math.inf, big_s / max(1, 2 * (ranks - 1)))
+    rate = (big - small) * 8 / (big_s - small_s)
+    latency = max(0.0, (small_s - small * 8 / rate) / max(1, 2 * (ranks - 1)))
+    return cost.Link(rate, latency)
