@@ -45,7 +45,7 @@ FLAGS = flags.FLAGS
 FLAGS.set_default("out", "results/cost_check.json")  # wire.py's flag (its models and methods are read from it)
 
 SECTION = re.compile(r"<!-- BEGIN (wire_\w+) -->\n(.*?)<!-- END \1 -->", re.S)
-NOT_MODELLED = set(wire.ACCORDION)
+NOT_MODELLED = {*wire.ACCORDION, wire.AUTO}  # (auto: its row is its choice's)
 
 
 def published_tables(text):
@@ -86,7 +86,9 @@ def model_shapes(name, cache={}):
 
 
 def resolve(method):
-    """wire.py's method name -> (hc.methods name, overrides, hierarchical, overlap), or None where not modelled."""
+    """wire.py's method name (a table's cell: 'auto (onebit)' is auto's row) -> (hc.methods name, overrides,
+    hierarchical, overlap), or None where not modelled."""
+    method = method.split(" (")[0]
     if method in NOT_MODELLED:
         return None
     hierarchical = method in wire.HIERARCHICAL

@@ -137,6 +137,8 @@ VARIANTS = {
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
+#: Compression.auto(): it calibrates for AUTO_CALIBRATION steps after the warm-up, then the timed steps are its choice's
+AUTO, AUTO_CALIBRATION = "auto", 10
 BASELINES = ("horovod_fp32", "horovod_fp16")
 #: Each rank steps its own model and sends nothing: the step's compute alone, the floor that an exchange hidden
 #: behind it approaches.
@@ -150,7 +152,7 @@ HIERARCHICAL = {f"hier_{name}": name for name in ("none", "fp16", "onebit", "one
 OPTIMIZERS = {"sgd": "SGD(0.01, momentum=0.9, nesterov=True)", "adamw": "AdamW(1e-3, weight_decay=0.01)"}
 # make_optimizer's methods, Horovod's own first:
 METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINES), *VARIANTS, *ACCORDION,
-           *HIERARCHICAL, NO_EXCHANGE]
+           *HIERARCHICAL, AUTO, NO_EXCHANGE]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 #: text24m: time_to_accuracy.py --task=text's model (launch.text_mlp, 24.2M parameters, an embedding first)
@@ -229,7 +231,10 @@ def make_optimizer(hc, hvd, keras, method, base_optimizer, **wrapper_kwargs):
     }.get(VARIANTS.get(method, (method,))[0], lambda opt, params: opt.bytes_per_step)  # (local steps: per period)
     if method == NO_EXCHANGE:
         return base_optimizer, lambda num_params: 0.0
-    if method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
+    if method == AUTO:
+        optimizer = hc.DistributedOptimizer(base_optimizer, compression=hc.Compression.auto(
+            calibration_steps=AUTO_CALIBRATION), **wrapper_kwargs)
+    elif method in ACCORDION:  # PowerSGD rank 4 (critical) <-> rank 1 (calm), as callbacks.Accordion sets it up
         optimizer = hc.DistributedOptimizer(base_optimizer, **wrapper_kwargs)
         optimizer.compression_exchange.use_accordion(
             hc.accordion.AdaptiveCompression(hc.methods.compression("powersgd", rank=4),
@@ -299,6 +304,15 @@ def worker():
     model = build_model(keras, FLAGS.model)
     opt, accounted = benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
+    choice = None
+    if FLAGS.method == AUTO:  # its calibration as model.fit's callbacks run it, then its choice's step, retraced
+        auto = opt.hc_auto
+        while not auto.due(int(opt.iterations.numpy())):
+            auto.batch_begins(int(opt.iterations.numpy()))
+            step().numpy()
+            auto.batch_ends(int(opt.iterations.numpy()))
+        choice = auto.decide(opt, model.trainable_variables)
+        step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
     if FLAGS.method == "accordion_calm":  # every layer calm, so at high compression (no retrace)
         critical = opt.compression_exchange.monitor.critical
         critical.assign(tf.zeros_like(critical))
@@ -330,7 +344,7 @@ def worker():
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
         cross_size=hvd.cross_size(),
-        inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]),
+        inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]), choice=choice,
         step_ms=1000 * (statistics.fmean(times) if hasattr(opt, "diloco") else statistics.median(times)),
         step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
@@ -375,6 +389,7 @@ def summarize(rate, layout, model, method, ranks):
     one_rank_hosts = len(hosts) == len(ranks)  # else part of a rank's bytes stay on its host
     return dict(
         rate=rate, layout=layout, model=model, ranks=len(ranks), hosts=len(hosts), method=method, launcher=FLAGS.launcher,
+        choice=ranks[0].get("choice"),  # Compression.auto()'s
         params=ranks[0]["params"], step_ms=max(r["step_ms"] for r in ranks), accounted=accounted,
         fp32_allreduce=statistics.fmean(r["fp32_allreduce"] for r in ranks),
         veth_tx_bytes=host_mean("tx_bytes"), veth_tx_packets=host_mean("tx_packets"),
@@ -525,7 +540,8 @@ def render(rows):
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
          "step vs floor + link", "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted",
          "host link bytes vs Horovod fp32"],
-        [[r["rate"], layout_of(r), r["model"], r["method"], step_cell(r), versus(r, horovod["fp32"]),
+        [[r["rate"], layout_of(r), r["model"], r["method"] + (f" ({r['choice']})" if r.get("choice") else ""),
+          step_cell(r), versus(r, horovod["fp32"]),
           versus(r, horovod["fp16"]), versus_floor(r), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",
           versus(r, horovod["fp32"], "veth_tx_bytes") if r["accounted"] else "-"] for r in rows],

@@ -12,15 +12,17 @@ For its first `calibration_steps` steps the optimizer averages at full precision
    rate the user gives (the job's production link, measured elsewhere);
 3. the compute: the step less the full gradient's allreduce;
 4. rank 0's figures are the job's: it predicts every candidate's step with the cost model (cost.predict; its own
-   costs from the published CPU tables scaled to this compute, or `machine=`), keeps the fastest of those whose
+   costs from the published CPU tables, scaled to this compute), keeps the fastest of those whose
    measured accuracy risk under the wrapped optimizer is low (advise.ACCURACY), and keeps full precision unless
    that one is predicted faster by more than advise.MARGIN; the choice is broadcast, so every rank takes it;
 5. rank 0 logs the table and the reason; the optimizer re-plans its exchange for the choice
    (DistributedOptimizer.hc_switch_compression) and model.fit retraces its step. From then on the choice is the
    optimizer's compression: model files save it, and a loaded file trains with it.
 
-Where model.fit does not run through hvd_compress's callbacks (a custom loop), nothing decides: the optimizer
-stays at full precision, as rank 0 says when it wraps.
+Where model.fit does not run through hvd_compress's callbacks, nothing decides and the optimizer stays at full
+precision, as rank 0 says when it wraps. A custom loop decides as the callbacks do: `batch_begins(step)` and
+`batch_ends(step)` around each step, `decide(optimizer, variables)` once `due(step)`, then a new tf.function
+(benchmarks/wire.py's worker does so).
 """
 import logging
 import math
@@ -78,12 +80,14 @@ class AutoCompression(NoneCompressor):
         """Whether the calibration is over after the optimizer's step `step` and nothing is decided yet."""
         return self.decision is None and step >= self.calibration_steps
 
-    def decide(self, model, optimizer):
-        """Measures the link, predicts every candidate's step and switches the optimizer to the choice (every rank
-        at once, between the same two steps); retraces model.fit's step. Returns the chosen method's name."""
+    def decide(self, optimizer, variables):
+        """Measures the link, predicts every candidate's step and switches the optimizer to the choice, for
+        `variables` (the model's trainable ones, in its steps' order): on every rank at once, between the same two
+        steps. The caller retraces the step (model.fit: model.make_train_function(force=True); a custom loop: a new
+        tf.function). Returns the chosen method's name."""
         import horovod.tensorflow as hvd
         process_set = optimizer.hc_process_set
-        variables = list(model.trainable_variables)
+        variables = list(variables)
         shapes = [tuple(int(d) for d in v.shape) for v in variables]
         elements = int(sum(np.prod(s, dtype=np.int64) for s in shapes))
         timed = [t for step, t in sorted(self._times.items())[1:]]  # the first step traced
@@ -99,7 +103,6 @@ class AutoCompression(NoneCompressor):
                         table)
         from hvd_compress import methods as registry  # (none too: the file then says so, and does not calibrate again)
         optimizer.hc_switch_compression(registry.compression(self.decision), variables)
-        model.make_train_function(force=True)
         return self.decision
 
     def choose(self, optimizer, shapes, step_s, full, small, ranks):
@@ -108,8 +111,6 @@ class AutoCompression(NoneCompressor):
         from hvd_compress import advise, cost
         elements = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
         link = fitted_link(4 * elements, full, 4 * max(1, elements // 16), small, ranks)
-        # the calibration ran hc's full-precision exchange ("none": Keras's apply in fused kernels under SGD), and
-        # the machine's costs are each method's against the bare optimizer: the compute is the step less both
         # In the step the gradient's allreduce took its bytes' time on the link (an eager one also pays Python's and
         # Horovod's hand-over, in the fitted latency). The calibration ran hc's full-precision exchange ("none":
         # Keras's apply in fused kernels under SGD), and the machine's costs are each method's against the bare

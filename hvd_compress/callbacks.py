@@ -203,7 +203,8 @@ class _DistributedTrainingCallback(Callback):
             step = int(hc_optimizer(self.model).iterations.numpy())
             auto.batch_ends(step)
             if auto.due(step):
-                auto.decide(self.model, hc_optimizer(self.model))
+                auto.decide(hc_optimizer(self.model), self.model.trainable_variables)
+                self.model.make_train_function(force=True)  # the step of the chosen exchange
         if self.first_batch:
             self.first_batch = False
             optimizer = hc_optimizer(self.model)

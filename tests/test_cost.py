@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hvd_compress import advise, cost
+from hvd_compress import methods as registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -111,4 +112,7 @@ def test_the_checker_reads_every_published_wire_table():
     for name, command, rows in tables:
         assert rows and {"link", "hosts", "model", "method", "step ms"} <= set(rows[0]), name
         assert all(cost_check.number(r["step ms"]) > 0 for r in rows), name
+        for r in rows:  # every method is one the model plans, or said not to be modelled
+            resolved = cost_check.resolve(r["method"])
+            assert resolved is None or resolved[0] in (*registry.NAMES, "no_exchange"), (name, r["method"])
     assert cost_check.number("295.0 (256-301)") == 295.0 and cost_check.optimizer_of("x --optimizer=adamw") == "adamw"
