@@ -5,7 +5,8 @@ link=...)) fits EPOCHS epochs with the broadcast and metric-average callbacks:
 - "slow": AdamW on a given link of 10 Mbit/s, where the gradient's allreduce outlasts the step's compute: the choice
   must compress (under AdamW the low-risk method is 1-bit Adam);
 - "fast": SGD on a given link of 1,000 Gbit/s, where nothing pays: the choice must be full precision;
-- "measured": SGD on this machine's own loopback, the link measured: whatever it chooses, every rank the same.
+- "measured": SGD on this machine's own loopback, the link measured: whatever it chooses, every rank the same;
+- "mixed": "slow" under the mixed_float16 policy (model.compile adds the LossScaleOptimizer around it).
 After the fit: the decision on every rank, what rank 0 logged, the bytes per step before and after, the weights'
 digest, the losses; rank 0's .keras file loaded on every rank with --loader, which must hold the choice (not auto)
 and train on."""
@@ -21,12 +22,13 @@ from _worker import LoggedLines, define_list_of, keras_and_broadcast, report, we
 
 import digits
 
-CASES = ("slow", "fast", "measured")
+CASES = ("slow", "fast", "measured", "mixed")
 define_list_of("cases", CASES, list(CASES), "Cases.")
 flags.DEFINE_enum("loader", "hc", ["hc", "keras"], "How every rank loads rank 0's file.")
 FLAGS = flags.FLAGS
 CALIBRATION, EPOCHS = 6, 3
-SETTINGS = {"slow": ("adamw", "10mbit"), "fast": ("sgd", "1000gbit"), "measured": ("sgd", None)}
+SETTINGS = {"slow": ("adamw", "10mbit"), "fast": ("sgd", "1000gbit"), "measured": ("sgd", None),
+            "mixed": ("adamw", "10mbit")}
 
 
 class BytesProbe(tf.keras.callbacks.Callback):
@@ -37,12 +39,14 @@ class BytesProbe(tf.keras.callbacks.Callback):
         self.bytes = []
 
     def on_train_batch_end(self, batch, logs=None):
-        self.bytes.append(float(self.model.optimizer.bytes_per_step))
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        self.bytes.append(float(optimizer.bytes_per_step))
 
 
 def run(keras, broadcast, case, data, directory):
     (x_train, y_train), (x_test, y_test) = data
     kind, link = SETTINGS[case]
+    keras.mixed_precision.set_global_policy("mixed_float16" if case == "mixed" else "float32")
     tf.keras.utils.set_random_seed(hvd.rank())  # the ranks start apart; the broadcast makes them alike
     train_set, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), 32, 0)
     model = digits.cnn(keras, 0)
@@ -69,8 +73,9 @@ def run(keras, broadcast, case, data, directory):
     loaded = hc.load_model(path) if FLAGS.loader == "hc" else keras.models.load_model(path)
     resumed = loaded.fit(train_set, epochs=1, steps_per_epoch=steps, verbose=0,
                          callbacks=[broadcast(0), hc.callbacks.MetricAverageCallback()])
-    result.update(loaded_compression=type(loaded.optimizer.compression_exchange.compression).__name__,
-                  loaded_auto=loaded.optimizer.hc_auto is not None, resumed_loss=resumed.history["loss"][-1],
+    loaded_optimizer = getattr(loaded.optimizer, "inner_optimizer", loaded.optimizer)
+    result.update(loaded_compression=type(loaded_optimizer.compression_exchange.compression).__name__,
+                  loaded_auto=loaded_optimizer.hc_auto is not None, resumed_loss=resumed.history["loss"][-1],
                   resumed_digest=weights_digest(loaded))
     return result
 
