@@ -163,7 +163,8 @@ def warm_step(keras, model, optimizer, batch_size, warmup=3):
     shape = [batch_size, *model.input_shape[1:]]
     integer = tf.as_dtype(model.inputs[0].dtype).is_integer  # (the text model's character codes)
     x = (tf.random.uniform(shape, 0, model.output_shape[-1], tf.int32) if integer else tf.random.normal(shape))
-    y = tf.random.uniform([batch_size], 0, model.output_shape[-1], tf.int64)
+    # a label per output position: one per sample, or per token for a sequence model (the transformer)
+    y = tf.random.uniform([batch_size, *model.output_shape[1:-1]], 0, model.output_shape[-1], tf.int64)
 
     def step():
         return train(x, y)

@@ -233,9 +233,13 @@ def worker():
 
     total_steps = setting("epochs") * steps_per_epoch
     step_seconds, curve = [], [(0, 0.0, evaluate(0.0)[1])]  # (step, training clock without step 1, acc)
+    auto = getattr(opt, "hc_auto", None)  # Compression.auto(): it calibrates, decides, and the step is retraced
     for step in range(1, total_steps + 1):
-        start = time.perf_counter()
-        train(*next(batches)).numpy()
+        start, batch = time.perf_counter(), next(batches)
+        if auto is None:
+            train(*batch).numpy()
+        elif auto.train_step(opt, model.trainable_variables, lambda: train(*batch).numpy())[1]:
+            train = launch.training_step(keras, model, opt)  # (its tracing counts in the next step's time)
         step_seconds.append(time.perf_counter() - start)
         if step % setting("eval_every") == 0 or step == total_steps:
             clock, accuracy = evaluate(sum(step_seconds[1:]))
@@ -247,7 +251,7 @@ def worker():
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         steps_per_epoch=steps_per_epoch, steps=len(step_seconds), first_step_s=step_seconds[0],
         median_step_s=statistics.median(step_seconds[1:] or step_seconds), accounted=accounted(params),
-        curve=curve)))
+        choice=auto and auto.decision, curve=curve)))
 
 
 # -- launcher -------------------------------------------------------------------------------------
@@ -267,7 +271,7 @@ def run(net, method):
              for step, clock, accuracy in ranks[0]["curve"]]
     return dict(rate=net.rate, ranks=net.num_ranks, layout=net.layout, method=method, task=FLAGS.task,
                 launcher=FLAGS.launcher, tf_cpu_allocator=FLAGS.tf_cpu_allocator, sustained=FLAGS.sustained,
-                params=ranks[0]["params"], curve=curve,
+                params=ranks[0]["params"], curve=curve, choice=ranks[0]["choice"],  # Compression.auto()'s
                 final_accuracy=curve[-1]["accuracy"], steps=ranks[0]["steps"], seconds=curve[-1]["seconds"],
                 median_step_s=first_step, accounted=statistics.fmean(r["accounted"] for r in ranks),
                 steps_per_epoch=ranks[0]["steps_per_epoch"], first_step_s=[r["first_step_s"] for r in ranks],
@@ -314,7 +318,7 @@ def print_table(rate, runs):
     for r in runs:
         reached = r["seconds_to_target"] is not None
         seconds, steps = (f"{r['seconds_to_target']:.1f}", r["steps_to_target"]) if reached else ("never", "-")
-        print(f"| {wire.layout_of(r)} | {r['method']} | {seconds} | {ratio(r[f'vs_{FLAGS.reference}'])} "
+        print(f"| {wire.layout_of(r)} | {wire.method_label(r)} | {seconds} | {ratio(r[f'vs_{FLAGS.reference}'])} "
               f"| {ratio(r['vs_fp32'])} | {steps} | {r['final_accuracy']:.4f} | {r['steps']} "
               f"| {1000 * r['median_step_s']:.0f} | {r['accounted']:,.0f} |")
 
@@ -424,7 +428,7 @@ def render(runs):
                          f"{1000 * r['median_step_s']:.0f}", results.count(r["accounted"])])
             continue
         reached = r["seconds_to_target"] is not None
-        rows.append([r["rate"], r["method"], f"{r['seconds_to_target']:.1f}" if reached else "never",
+        rows.append([r["rate"], wire.method_label(r), f"{r['seconds_to_target']:.1f}" if reached else "never",
                      results.times(r[f"vs_{reference}"]), results.times(r["vs_fp32"]),
                      r["steps_to_target"] if reached else "-", f"{r['final_accuracy']:.4f}",
                      f"{1000 * r['median_step_s']:.0f}", results.count(r["accounted"])])

@@ -71,6 +71,10 @@ it TCP payload). Per model, N and method the table shows:
 - host link bytes vs Horovod fp32: Horovod fp32's host link tx bytes per step (same run, link,
   layout and model) over the row's; on hosts of several ranks this counts what hierarchical
   exchanges save inside the host, which the accounted bytes of one rank do not show.
+Every rank's JSON (a row's per_rank) also holds its CPU time per step (cpu_ms: its threads' user and kernel
+time, the sends through the shaped veth included) and the machine's idle core time per step (idle_cores_ms):
+where the ranks share the machine's cores, what a method costs a rank in CPU is step time whether or not its
+collectives could have overlapped. --fusion_threshold_bytes sets hvd_compress's bucket size for its methods.
 Prints one markdown table per rate, the command that reproduces it, and
 writes every row (per-rank figures included) to --out.
 
@@ -92,8 +96,9 @@ PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
 hierarchical=True, averaged inside each host and compressed across hosts; hier_none is Horovod's
 hierarchical fp32 allreduce done by hvd_compress (Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs its NCCL
 build and does nothing on CPUs). Models: mlp25m (25.2M parameters, communication-bound),
-mlp4m (4.2M, for the test), digits_cnn (examples/digits.py's CNN, 20k), all
-on random batches of --batch_size per rank.
+mlp4m (4.2M, for the test), digits_cnn (examples/digits.py's CNN, 20k), text24m (time_to_accuracy.py
+--task=text's model, 24.2M), transformer (its default task's causal transformer, examples/transformer.py), all
+on random batches of --batch_size per rank (sequences of character codes for the last two).
 """
 import json
 import os
@@ -155,8 +160,9 @@ METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINE
            *HIERARCHICAL, AUTO, NO_EXCHANGE]
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
-#: text24m: time_to_accuracy.py --task=text's model (launch.text_mlp, 24.2M parameters, an embedding first)
-MODELS = [*MLPS, "digits_cnn", "text24m"]
+#: text24m: time_to_accuracy.py --task=text's model (launch.text_mlp, 24.2M parameters, an embedding first);
+#: transformer: its default task's (examples/transformer.py's causal transformer, 0.5M parameters, compute-bound)
+MODELS = [*MLPS, "digits_cnn", "text24m", "transformer"]
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher builds the network and starts the ranks.")
 flags.DEFINE_list("rates", ["100mbit", "1gbit", "10gbit"], "Link rates (tc syntax), one table each.")
@@ -184,6 +190,8 @@ flags.DEFINE_enum("tf_cpu_allocator", "bfc", launch.TF_CPU_ALLOCATORS, "TensorFl
                   "ranks: bfc (TF_CPU_ALLOCATOR_USE_BFC=1) reuses tensors' memory, where the default takes a large "
                   "tensor's memory afresh from the kernel each time (launch.TF_CPU_ALLOCATORS); tables made with "
                   "bfc are published apart (_bfc) from older ones made with the default.")
+flags.DEFINE_integer("fusion_threshold_bytes", None, "hvd_compress's bucket size (DistributedOptimizer's "
+                     "fusion_threshold_bytes) for its compressed methods; unset: the wrapper's default.")
 flags.DEFINE_integer("timeout", 600, "Seconds one job (one model, N, method on one rate) may take before "
                      "its ranks are killed.")
 flags.DEFINE_enum("launcher", "gloo", launch.LAUNCHERS, "How the ranks start: gloo (Horovod's collectives over "
@@ -252,8 +260,11 @@ def build_model(keras, name):
     if name == "digits_cnn":
         import digits
         return digits.cnn(keras)
-    if name == "text24m":
+    if name in ("text24m", "transformer"):
         from pydoc_text import character_codes
+        if name == "transformer":
+            import transformer
+            return transformer.transformer(keras, character_codes()[1])
         return launch.text_mlp(keras, character_codes()[1])
     return launch.mlp(keras, MLPS[name])
 
@@ -266,6 +277,12 @@ def interface_counters(iface):
            if line.startswith("Tcp:")]
     counters["retrans"] = int(tcp[1][tcp[0].index("RetransSegs")])
     return counters
+
+
+def idle_cpu_s():
+    """Seconds every core of this machine has been idle since boot (/proc/stat's idle and iowait)."""
+    fields = pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
 def header_bytes():
@@ -287,8 +304,10 @@ def benchmarked_optimizer(hc, hvd_keras, keras, method):
     error-feedback methods then freeze Adam's variance, the setting measured best under AdamW)."""
     ours = (method not in (*BASELINES, NO_EXCHANGE) and not method.startswith("sgp")
             and not is_local_steps(method))
-    warmup = dict(warmup_steps=FLAGS.warmup) if FLAGS.optimizer == "adamw" and ours else {}
-    return make_optimizer(hc, hvd_keras, keras, method, base_optimizer(keras), **warmup)
+    wrapper = dict(warmup_steps=FLAGS.warmup) if FLAGS.optimizer == "adamw" and ours else {}
+    if FLAGS.fusion_threshold_bytes is not None and ours:
+        wrapper["fusion_threshold_bytes"] = FLAGS.fusion_threshold_bytes
+    return make_optimizer(hc, hvd_keras, keras, method, base_optimizer(keras), **wrapper)
 
 
 def worker():
@@ -306,12 +325,10 @@ def worker():
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
     choice = None
     if FLAGS.method == AUTO:  # its calibration as model.fit's callbacks run it, then its choice's step, retraced
-        auto = opt.hc_auto
-        while not auto.due(int(opt.iterations.numpy())):
-            auto.batch_begins(int(opt.iterations.numpy()))
-            step().numpy()
-            auto.batch_ends(int(opt.iterations.numpy()))
-        choice = auto.decide(opt, model.trainable_variables)
+        auto, decided = opt.hc_auto, False  # (once it has decided, the optimizer's compression is its choice)
+        while not decided:
+            _, decided = auto.train_step(opt, model.trainable_variables, lambda: step().numpy())
+        choice = auto.decision
         step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
     if FLAGS.method == "accordion_calm":  # every layer calm, so at high compression (no retrace)
         critical = opt.compression_exchange.monitor.critical
@@ -326,14 +343,14 @@ def worker():
 
     settle()
     hvd.allreduce(tf.zeros([1]), name="wire.before").numpy()
-    before, times = interface_counters(iface), []
+    before, times, cpu_before, idle_before = interface_counters(iface), [], os.times(), idle_cpu_s()
     for _ in range(steps):
         start = time.perf_counter()
         step().numpy()
         times.append(time.perf_counter() - start)
     settle()
     hvd.allreduce(tf.zeros([1]), name="wire.after").numpy()
-    after = interface_counters(iface)
+    after, cpu_after, idle_after = interface_counters(iface), os.times(), idle_cpu_s()
     start = time.perf_counter()  # no collective now: what crosses the link is Horovod's own
     time.sleep(FLAGS.idle_s)
     idle, idle_s = interface_counters(iface), time.perf_counter() - start
@@ -347,6 +364,9 @@ def worker():
         inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]), choice=choice,
         step_ms=1000 * (statistics.fmean(times) if hasattr(opt, "diloco") else statistics.median(times)),
         step_times_ms=[1000 * t for t in times], accounted=accounted(params),
+        # CPU time of this rank's threads per step, user and kernel (the barriers' and the sends' included)
+        idle_cores_ms=1000 * (idle_after - idle_before) / steps,  # the whole machine's, every rank's view
+        cpu_ms=1000 * sum(getattr(cpu_after, k) - getattr(cpu_before, k) for k in ("user", "system")) / steps,
         fp32_allreduce=allreduce_bytes(4 * params, hvd.size()), header_bytes=header_bytes(),
         control={k: (idle[k] - after[k]) / idle_s for k in idle},  # per second
         **{k: (after[k] - before[k]) / steps for k in after})))
@@ -369,7 +389,8 @@ def run_job(net, model, method):
     """Runs one job on net's ranks; returns the ranks' JSON, ordered by rank."""
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
-            f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}", f"--optimizer={FLAGS.optimizer}"]
+            f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}", f"--optimizer={FLAGS.optimizer}",
+            *([f"--fusion_threshold_bytes={FLAGS.fusion_threshold_bytes}"] if FLAGS.fusion_threshold_bytes else [])]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
                                     inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher,
                                     tf_cpu_allocator=FLAGS.tf_cpu_allocator, point_to_point=launch.needs_mpi(method))
@@ -404,7 +425,7 @@ def summarize(rate, layout, model, method, ranks):
         steps=FLAGS.steps, warmup=FLAGS.warmup, batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
         step_ms_rounds=None,
         slow_start_after_idle=FLAGS.slow_start_after_idle, inter_op_threads=FLAGS.inter_op_threads,
-        tf_cpu_allocator=FLAGS.tf_cpu_allocator, per_rank=ranks,
+        tf_cpu_allocator=FLAGS.tf_cpu_allocator, fusion_threshold_bytes=FLAGS.fusion_threshold_bytes, per_rank=ranks,
         tcp_progress_thread=FLAGS.launcher == "mpi" and launch.needs_mpi(method))
 
 
@@ -425,6 +446,8 @@ def command_line():
                                inter_op_threads=FLAGS.inter_op_threads,
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
                                tf_cpu_allocator=FLAGS.tf_cpu_allocator,
+                               **({"fusion_threshold_bytes": FLAGS.fusion_threshold_bytes}
+                                  if FLAGS.fusion_threshold_bytes else {}),
                                **({"table_suffix": FLAGS.table_suffix} if FLAGS.table_suffix else {}),
                                timeout=FLAGS.timeout, out=FLAGS.out)
 
@@ -478,6 +501,11 @@ def median_round(rounds):
     middle = statistics.median_low([r["step_ms"] for r in rounds])
     row = next(r for r in rounds if r["step_ms"] == middle)
     return dict(row, step_ms_rounds=[r["step_ms"] for r in rounds])
+
+
+def method_label(row):
+    """A row's method as the tables name it: Compression.auto()'s with its choice, "auto (onebit)"."""
+    return f"{row['method']} ({row['choice']})" if row.get("choice") else row["method"]
 
 
 def step_cell(row):
@@ -540,7 +568,7 @@ def render(rows):
         ["link", "hosts", "model", "method", "step ms", "step vs Horovod fp32", "step vs Horovod fp16",
          "step vs floor + link", "accounted bytes/step/worker", "host link tx bytes/step", "wire vs accounted",
          "host link bytes vs Horovod fp32"],
-        [[r["rate"], layout_of(r), r["model"], r["method"] + (f" ({r['choice']})" if r.get("choice") else ""),
+        [[r["rate"], layout_of(r), r["model"], method_label(r),
           step_cell(r), versus(r, horovod["fp32"]),
           versus(r, horovod["fp16"]), versus_floor(r), results.count(r["accounted"]), results.count(r["veth_tx_bytes"]),
           "-" if r.get("wire_vs_accounted") is None else f"{r['wire_vs_accounted']:+.2%}",

@@ -20,9 +20,18 @@ For its first `calibration_steps` steps the optimizer averages at full precision
    optimizer's compression: model files save it, and a loaded file trains with it.
 
 Where model.fit does not run through hvd_compress's callbacks, nothing decides and the optimizer stays at full
-precision, as rank 0 says when it wraps. A custom loop decides as the callbacks do: `batch_begins(step)` and
-`batch_ends(step)` around each step, `decide(optimizer, variables)` once `due(step)`, then a new tf.function
-(benchmarks/wire.py's worker does so).
+precision, as rank 0 says when it wraps. A custom loop runs each step through `train_step`, which times it and
+decides after the calibration's last step; the loop then makes its tf.function anew:
+
+    auto = hc.Compression.auto()
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=auto, warmup_steps=100)
+    step = tf.function(train_one_batch)  # its forward pass, tape.gradient and opt.apply_gradients
+    for x, y in dataset:
+        loss, decided = auto.train_step(opt, model.trainable_variables, lambda: step(x, y).numpy())
+        if decided:
+            step = tf.function(train_one_batch)  # the chosen exchange's step
+
+(Once it has decided, the optimizer's compression is the choice, and `opt.hc_auto` is None.)
 """
 import logging
 import math
@@ -79,6 +88,21 @@ class AutoCompression(NoneCompressor):
     def due(self, step):
         """Whether the calibration is over after the optimizer's step `step` and nothing is decided yet."""
         return self.decision is None and step >= self.calibration_steps
+
+    def train_step(self, optimizer, variables, run_step):
+        """A custom loop's step: `run_step()` (one optimizer step, its result fetched), timed while the calibration
+        lasts, and after its last step `decide(optimizer, variables)`. Returns (run_step's result, whether it
+        decided now: the caller then makes its tf.function anew)."""
+        if self.decision is not None:
+            return run_step(), False
+        self.batch_begins(int(optimizer.iterations.numpy()))
+        result = run_step()
+        step = int(optimizer.iterations.numpy())
+        self.batch_ends(step)
+        if not self.due(step):
+            return result, False
+        self.decide(optimizer, variables)
+        return result, True
 
     def decide(self, optimizer, variables):
         """Measures the link, predicts every candidate's step and switches the optimizer to the choice, for
@@ -139,6 +163,15 @@ class AutoCompression(NoneCompressor):
         why = (f"no compression: no method of low accuracy risk is predicted more than {advise.MARGIN:.0%} faster than "
                f"full precision's {baseline_s * 1e3:.1f} ms; {facts}")
         return dict(method="none", why=why), advise.render(rows)
+
+
+def refuse_outside_distributed_optimizer(compression, where):
+    """Compression.auto() decides inside hc.DistributedOptimizer only (its fit callbacks, or train_step); given to
+    `where` it would stay at full precision in silence, so it is refused there."""
+    if isinstance(compression, AutoCompression):
+        raise ValueError(f"{where}: {compression!r} chooses inside hc.DistributedOptimizer only (model.fit with "
+                         "hvd_compress's callbacks, or its train_step in a custom loop); here give a compression, "
+                         "e.g. the one `python -m hvd_compress.advise` recommends for your model and link.")
 
 
 def kind_of(optimizer):

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange
+from hvd_compress.auto import refuse_outside_distributed_optimizer
 from hvd_compress.compression import Compression
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
 from hvd_compress.gradient_exchange import (DEFAULT_FUSION_THRESHOLD_BYTES, DEFAULT_MIN_COMPRESS_SIZE,
@@ -109,6 +110,7 @@ class OuterStep:
 
     def __init__(self, sync_every, outer_learning_rate, outer_momentum, nesterov, compression, error_decay,
                  fragments, sync_delay, merge_alpha, process_set, min_compress_size, fusion_threshold_bytes, name):
+        refuse_outside_distributed_optimizer(compression, "hc.DiLoCo(compression=...)")
         if not _is_count(sync_every, 1):
             raise ValueError(f"sync_every must be a number of inner steps >= 1 between syncs (the papers: 50 to 500), "
                              f"got {sync_every!r}.")

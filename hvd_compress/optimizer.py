@@ -28,7 +28,7 @@ from tensorflow.python.ops import control_flow_util
 
 import horovod.tensorflow as hvd
 from hvd_compress import exchange, ops, state, uneven
-from hvd_compress.auto import AutoCompression
+from hvd_compress.auto import AutoCompression, refuse_outside_distributed_optimizer
 from hvd_compress.compression import Compression
 from hvd_compress.compressor import MOMENTUM_IN_FRONT
 from hvd_compress.compression import from_config as compression_from_config, to_config as compression_config
@@ -446,6 +446,8 @@ class DistributedGradientTape:
                  sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                  groups=None, process_set=hvd.global_process_set, exchange=None, two_way=None):
         refuse_two_way(two_way)
+        refuse_outside_distributed_optimizer(getattr(exchange, "compression", compression),
+                                             "hc.DistributedGradientTape")
         if exchange is None:
             exchange = GradientExchange(compression, process_set, op, gradient_predivide_factor,
                                         sparse_as_dense, name="hc.tape")

@@ -42,25 +42,30 @@ def test_the_link_is_fitted_from_two_allreduces():
 def test_auto_in_model_fit_decides_alike_switches_and_is_saved(keras, loader, np):
     """tests/workers/auto_fit.py: on a given slow link (AdamW, and under mixed_float16) auto compresses, on a given fast one (SGD) it keeps full
     precision, on the measured loopback every rank takes the same choice; the ranks stay bit-identical, training goes
-    on after the switch, and rank 0's .keras file holds the choice on every rank that loads it."""
+    on after the switch, and rank 0's .keras file holds the choice on every rank that loads it; a custom loop through
+    Compression.auto().train_step decides as model.fit does."""
     ranks = [r["results"] for r in run_ranks("auto_fit.py", f"--loader={loader}", np=np, timeout=300,
                                              env=KERASES[keras])]
-    for case in ("slow", "fast", "measured", "mixed"):
+    for case in ("slow", "fast", "measured", "mixed", "loop"):
         ours = [r[case] for r in ranks]
         print(f"{keras} {np} ranks {case}: {ours[0]['decision']}, bytes {ours[0]['bytes_before']:.0f} -> "
               f"{ours[0]['bytes_after']:.0f}, loss {ours[0]['loss'][0]:.3f} -> {ours[0]['loss'][-1]:.3f} -> "
-              f"{ours[0]['resumed_loss']:.3f}, accuracy {ours[0]['accuracy']:.4f}; {ours[0]['logged']}")
+              f"{ours[0].get('resumed_loss', float('nan')):.3f}, accuracy {ours[0]['accuracy']:.4f}; {ours[0]['logged']}")
         assert len({r["decision"] for r in ours}) == 1 and ours[0]["decision"] is not None, case
-        assert len({r["digest"] for r in ours}) == 1 and len({r["resumed_digest"] for r in ours}) == 1, case
+        assert len({r["digest"] for r in ours}) == 1, case
         assert len(ours[0]["logged"]) == 1 and not any(r["logged"] for r in ours[1:]), case  # rank 0 says why
         assert ours[0]["bytes_before"] == ours[0]["allreduce_bytes"], case  # the calibration: full precision
         assert ours[0]["loss"][-1] < ours[0]["loss"][0] / 2 and ours[0]["accuracy"] > 0.8, case
-        assert ours[0]["resumed_loss"] <= ours[0]["loss"][-1] * 1.2, case  # the loaded file trains on
-        assert all(not r["loaded_auto"] for r in ours), case  # the file holds the choice, not auto
         if ours[0]["decision"] == "none":
             assert ours[0]["bytes_after"] == ours[0]["allreduce_bytes"], case
         else:
             assert ours[0]["bytes_after"] <= ours[0]["allreduce_bytes"] / 8, case
-            assert all(r["compression"] == r["loaded_compression"] != "AutoCompression" for r in ours), case
-    assert ranks[0]["slow"]["decision"] == ranks[0]["mixed"]["decision"] == "onebit"  # AdamW: 1-bit Adam
+            assert all(r["compression"] != "AutoCompression" for r in ours), case
+        if case == "loop":  # (a custom loop: no model file)
+            continue
+        assert len({r["resumed_digest"] for r in ours}) == 1, case
+        assert ours[0]["resumed_loss"] <= ours[0]["loss"][-1] * 1.2, case  # the loaded file trains on
+        assert all(not r["loaded_auto"] for r in ours), case  # the file holds the choice, not auto
+        assert all(r["compression"] == r["loaded_compression"] for r in ours), case
+    assert ranks[0]["slow"]["decision"] == ranks[0]["mixed"]["decision"] == ranks[0]["loop"]["decision"] == "onebit"
     assert ranks[0]["fast"]["decision"] == "none"

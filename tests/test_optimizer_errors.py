@@ -127,6 +127,16 @@ def test_tape_needs_an_exchange_for_stateful_compression():
         hc.DistributedGradientTape(tape, compression=hc.Compression.onebit())
 
 
+def test_auto_is_refused_where_nothing_would_decide():
+    """Compression.auto() decides in hc.DistributedOptimizer only; a tape (or the exchange a tape is given) would
+    keep it at full precision in silence."""
+    with tf.GradientTape() as tape:
+        pass
+    for kwargs in (dict(compression=hc.Compression.auto()), dict(exchange=hc.GradientExchange(hc.Compression.auto()))):
+        with pytest.raises(ValueError, match=r"hc.DistributedGradientTape: Compression.auto\(.*hvd_compress.advise"):
+            hc.DistributedGradientTape(tape, **kwargs)
+
+
 def test_tape_exchange_state_is_checkpointed(tmp_path):
     def trained_exchange(steps):
         w = tf.Variable(tf.zeros([2048]))
@@ -405,6 +415,7 @@ except TypeError as error:
     (dict(sync_every=4, sync_delay=-1), ValueError, "sync_delay must be"),
     (dict(sync_every=4, sync_delay=1, merge_alpha=1.0), ValueError, "merge_alpha must be a number in"),
     (dict(sync_every=4, merge_alpha=0.5), ValueError, "sync_delay=0 leaves none: give sync_delay="),
+    (dict(sync_every=4, compression=hc.Compression.auto()), ValueError, r"chooses inside hc.DistributedOptimizer only"),
 ])
 def test_bad_diloco_arguments_are_refused_before_training(kwargs, error, match):
     with pytest.raises(error, match=match):

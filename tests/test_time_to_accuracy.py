@@ -1,5 +1,6 @@
 """benchmarks/time_to_accuracy.py on a real shaped link, at tiny sizes: 2 ranks at 10 Gbit/s, a 64-128-10 MLP,
-one epoch of Horovod fp16, two-way onebit and the floor (no_exchange: each rank alone, nothing sent).
+one epoch of Horovod fp16, two-way onebit, DiLoCo, Compression.auto() (its calibration in the run's own loop) and
+the floor (no_exchange: each rank alone, nothing sent).
 
 Needs root (network namespaces, veths, tc); skipped, with the reason, where that is missing. Checks the
 bookkeeping, not the speed: every rank ran in its namespace, the curve is timed and evaluated as the docstring
@@ -27,7 +28,7 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
         pytest.skip(reason)
     out, figure = tmp_path / "tta.json", tmp_path / "tta.png"
     cmd = [sys.executable, str(BENCHMARKS / "time_to_accuracy.py"), "--rates=10gbit", "--ranks=2",
-           "--task=digits", "--methods=horovod_fp16,onebit,no_exchange,diloco", "--layers=64,128,10", "--epochs=1", "--eval_every=5",
+           "--task=digits", "--methods=horovod_fp16,onebit,no_exchange,diloco,auto", "--layers=64,128,10", "--epochs=1", "--eval_every=5",
            "--lr=0.05", "--sustained=1",
            "--timeout=90", f"--out={out}", f"--plot={figure}"]
     # --timeout kills a job's ranks and the launcher then removes its network; this one is the last resort.
@@ -41,7 +42,10 @@ def test_curves_targets_and_ratios_on_two_namespaced_ranks(tmp_path):
     assert figure.stat().st_size > 0
 
     runs = {r["method"]: r for r in json.loads(out.read_text())}
-    assert set(runs) == {"horovod_fp16", "onebit", "no_exchange", "diloco"}
+    assert set(runs) == {"horovod_fp16", "onebit", "no_exchange", "diloco", "auto"}
+    from hvd_compress import methods as registry
+    assert runs["auto"]["choice"] in registry.METHODS and f"| 2x1 | auto ({runs['auto']['choice']}) |" in output
+    assert all(r["choice"] is None for m, r in runs.items() if m != "auto")
     for r in runs.values():
         assert r["hostnames"] == ["hc-ns0", "hc-ns1"] and r["rate"] == "10gbit" and r["ranks"] == 2 and r["layout"] == "2x1"
         assert r["steps"] == r["steps_per_epoch"] == 1437 // 64  # the train split's shards of 32 per rank

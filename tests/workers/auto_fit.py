@@ -6,7 +6,10 @@ link=...)) fits EPOCHS epochs with the broadcast and metric-average callbacks:
   must compress (under AdamW the low-risk method is 1-bit Adam);
 - "fast": SGD on a given link of 1,000 Gbit/s, where nothing pays: the choice must be full precision;
 - "measured": SGD on this machine's own loopback, the link measured: whatever it chooses, every rank the same;
-- "mixed": "slow" under the mixed_float16 policy (model.compile adds the LossScaleOptimizer around it).
+- "mixed": "slow" under the mixed_float16 policy (model.compile adds the LossScaleOptimizer around it);
+- "loop": "slow" in a custom loop as hvd_compress/auto.py's docstring writes it (each step through
+  auto.train_step, the tf.function made anew once it decides), the variables broadcast as the README's
+  custom loop says (no model file: the loop compiles nothing to save).
 After the fit: the decision on every rank, what rank 0 logged, the bytes per step before and after, the weights'
 digest, the losses; rank 0's .keras file loaded on every rank with --loader, which must hold the choice (not auto)
 and train on."""
@@ -22,13 +25,13 @@ from _worker import LoggedLines, define_list_of, keras_and_broadcast, report, we
 
 import digits
 
-CASES = ("slow", "fast", "measured", "mixed")
+CASES = ("slow", "fast", "measured", "mixed", "loop")
 define_list_of("cases", CASES, list(CASES), "Cases.")
 flags.DEFINE_enum("loader", "hc", ["hc", "keras"], "How every rank loads rank 0's file.")
 FLAGS = flags.FLAGS
 CALIBRATION, EPOCHS = 6, 3
 SETTINGS = {"slow": ("adamw", "10mbit"), "fast": ("sgd", "1000gbit"), "measured": ("sgd", None),
-            "mixed": ("adamw", "10mbit")}
+            "mixed": ("adamw", "10mbit"), "loop": ("adamw", "10mbit")}
 
 
 class BytesProbe(tf.keras.callbacks.Callback):
@@ -43,7 +46,51 @@ class BytesProbe(tf.keras.callbacks.Callback):
         self.bytes.append(float(optimizer.bytes_per_step))
 
 
+def custom_loop(keras, data):
+    """The "loop" case: the digits CNN under AdamW in a custom loop, auto() given a 10 Mbit/s link."""
+    (x_train, y_train), (x_test, y_test) = data
+    keras.mixed_precision.set_global_policy("float32")
+    tf.keras.utils.set_random_seed(hvd.rank())
+    train_set, steps = digits.shard(x_train, y_train, hvd.rank(), hvd.size(), 32, 0)
+    model = digits.cnn(keras, 0)
+    auto = hc.Compression.auto(calibration_steps=CALIBRATION, link="10mbit")
+    # (a loop's length is unknown to the optimizer: 1-bit Adam's warm-up is given, as the docs say)
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(2e-3, weight_decay=0.01), compression=auto,
+                                  warmup_steps=2 * CALIBRATION)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train_one_batch(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    logged = LoggedLines.attach()
+    hc.broadcast_variables(model.variables, 0)
+    step, losses, sent = tf.function(train_one_batch), [], []
+    for i, (x, y) in enumerate(train_set.take(EPOCHS * steps)):
+        loss, decided = auto.train_step(opt, model.trainable_variables, lambda: step(x, y).numpy())
+        if decided:
+            step = tf.function(train_one_batch)  # the chosen exchange's step
+        if i == 0:
+            hc.broadcast_variables(opt.variables() if callable(opt.variables) else opt.variables, 0)
+        losses.append(float(loss))
+        sent.append(float(opt.bytes_per_step))
+    logging.getLogger("hvd_compress").removeHandler(logged)
+    logits = model(x_test, training=False)
+    return dict(decision=auto.decision, compression=type(opt.compression_exchange.compression).__name__,
+                logged=[line for line in logged.lines if "Compression.auto()" in line],
+                bytes_before=sent[0], bytes_after=sent[-1],
+                allreduce_bytes=hc.exchange.allreduce_bytes(4.0 * model.count_params(), hvd.size()),
+                loss=[sum(losses[e * steps:(e + 1) * steps]) / steps for e in range(EPOCHS)],
+                accuracy=float(tf.reduce_mean(tf.cast(tf.argmax(logits, -1) == y_test, tf.float32))),
+                digest=weights_digest(model))
+
+
 def run(keras, broadcast, case, data, directory):
+    if case == "loop":
+        return custom_loop(keras, data)
     (x_train, y_train), (x_test, y_test) = data
     kind, link = SETTINGS[case]
     keras.mixed_precision.set_global_policy("mixed_float16" if case == "mixed" else "float32")
