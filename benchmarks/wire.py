@@ -323,12 +323,12 @@ def worker():
     model = build_model(keras, FLAGS.model)
     opt, accounted = benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
     step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
-    choice = None
+    choice = why = None  # Compression.auto()'s, and its reason (rank 0's)
     if FLAGS.method == AUTO:  # its calibration as model.fit's callbacks run it, then its choice's step, retraced
         auto, decided = opt.hc_auto, False  # (once it has decided, the optimizer's compression is its choice)
         while not decided:
             _, decided = auto.train_step(opt, model.trainable_variables, lambda: step().numpy())
-        choice = auto.decision
+        choice, why = auto.decision, auto.reason
         step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
     if FLAGS.method == "accordion_calm":  # every layer calm, so at high compression (no retrace)
         critical = opt.compression_exchange.monitor.critical
@@ -361,7 +361,7 @@ def worker():
         rank=hvd.rank(), size=hvd.size(), hostname=socket.gethostname(), params=params,
         local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
         cross_size=hvd.cross_size(),
-        inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]), choice=choice,
+        inter_op_threads=int(os.environ["TF_NUM_INTEROP_THREADS"]), choice=choice, choice_why=why,
         step_ms=1000 * (statistics.fmean(times) if hasattr(opt, "diloco") else statistics.median(times)),
         step_times_ms=[1000 * t for t in times], accounted=accounted(params),
         # CPU time of this rank's threads per step, user and kernel (the barriers' and the sends' included)

@@ -148,7 +148,8 @@ def main(argv):
         model = parse_count(FLAGS.parameters)
     cluster = cost.Cluster(FLAGS.ranks, cost.Link.parse(FLAGS.link, FLAGS.latency_us * 1e-6), FLAGS.hosts or None,
                            intra_host_rate=cost.Link.parse(FLAGS.intra_host_link).rate_bps)
-    machine = cost.H100 if FLAGS.machine == "h100" else cost.published_cpu(FLAGS.optimizer)
+    machine = (cost.H100 if FLAGS.machine == "h100" else cost.published_cpu(FLAGS.optimizer) if FLAGS.machine == "cpu"
+               else cost.published_cpu(FLAGS.optimizer).scaled_by_probe(cost.probe_s()))
     advice = advise(model, FLAGS.compute_ms / 1e3, cluster, FLAGS.optimizer, machine, FLAGS.methods)
     chosen = recommend(advice)
     elements = sum(math.prod(s) for s in shapes_of(model))
@@ -171,8 +172,9 @@ def define_flags():
     flags.DEFINE_float("latency_us", 50.0, "The link's latency per message round, microseconds.")
     flags.DEFINE_string("intra_host_link", "100gbit", "The rate between the ranks of one host (NVLink: 3600gbit).")
     flags.DEFINE_enum("optimizer", "sgd", sorted(ACCURACY), "The wrapped optimizer (Adam and its kinds: adamw).")
-    flags.DEFINE_enum("machine", "cpu", ["cpu", "h100"], "The methods' own costs: the published CPU tables or an "
-                      "H100's kernels.")
+    flags.DEFINE_enum("machine", "cpu", ["cpu", "this_cpu", "h100"], "The methods' own costs: the published CPU "
+                      "tables; the same scaled to this machine by the time of a pass over 16M floats (cost.probe_s, "
+                      "on the threads TensorFlow gives this process); or an H100's kernels.")
     flags.DEFINE_list("methods", list(DEFAULT_METHODS), "Methods to compare (names of hc.methods).")
     flags.mark_flag_as_required("compute_ms")
 

@@ -12,7 +12,8 @@ For its first `calibration_steps` steps the optimizer averages at full precision
    rate the user gives (the job's production link, measured elsewhere);
 3. the compute: the step less the full gradient's allreduce;
 4. rank 0's figures are the job's: it predicts every candidate's step with the cost model (cost.predict; its own
-   costs from the published CPU tables, scaled to this compute), keeps the fastest of those whose
+   costs from the published CPU tables, scaled to this machine by the time of a fixed pass over 16M floats,
+   cost.probe_s, run on every rank at once), keeps the fastest of those whose
    measured accuracy risk under the wrapped optimizer is low (advise.ACCURACY), and keeps full precision unless
    that one is predicted faster by more than advise.MARGIN; the choice is broadcast, so every rank takes it;
 5. rank 0 logs the table and the reason; the optimizer re-plans its exchange for the choice
@@ -70,7 +71,7 @@ class AutoCompression(NoneCompressor):
             from hvd_compress import cost
             cost.Link.parse(link)  # a bad rate is refused here, before any step
         self.methods, self.calibration_steps, self.link = methods, calibration_steps, link
-        self._begun, self._times, self.decision = None, {}, None
+        self._begun, self._times, self.decision, self.reason = None, {}, None, None
 
     def __repr__(self):
         return f"Compression.auto(methods={self.methods!r}, calibration_steps={self.calibration_steps}, link={self.link!r})"
@@ -110,6 +111,7 @@ class AutoCompression(NoneCompressor):
         steps. The caller retraces the step (model.fit: model.make_train_function(force=True); a custom loop: a new
         tf.function). Returns the chosen method's name."""
         import horovod.tensorflow as hvd
+        from hvd_compress import cost
         process_set = optimizer.hc_process_set
         variables = list(variables)
         shapes = [tuple(int(d) for d in v.shape) for v in variables]
@@ -117,11 +119,12 @@ class AutoCompression(NoneCompressor):
         timed = [t for step, t in sorted(self._times.items())[1:]]  # the first step traced
         step_s = statistics.median(timed) if timed else float("nan")
         full, small = (timed_allreduce(n, process_set) for n in (elements, max(1, elements // 16)))
+        probe = cost.probe_s()  # (every rank at once, sharing the machine as its steps do)
         choice, table = None, ""
         if process_set.rank() == 0:
-            choice, table = self.choose(optimizer, shapes, step_s, full, small, process_set.size())
+            choice, table = self.choose(optimizer, shapes, step_s, full, small, process_set.size(), probe)
         choice = hvd.broadcast_object(choice, root_rank=0, process_set=process_set, name="hc.auto.decision")
-        self.decision = choice["method"]
+        self.decision, self.reason = choice["method"], choice["why"]
         if hvd.rank() == 0:
             log.warning("hvd_compress: Compression.auto() after %d steps: %s\n%s", len(self._times), choice["why"],
                         table)
@@ -129,9 +132,10 @@ class AutoCompression(NoneCompressor):
         optimizer.hc_switch_compression(registry.compression(self.decision), variables)
         return self.decision
 
-    def choose(self, optimizer, shapes, step_s, full, small, ranks):
+    def choose(self, optimizer, shapes, step_s, full, small, ranks, probe_s):
         """(the decision as {"method", "why"}, the predictions as a table) from rank 0's measurements: the step at
-        full precision `step_s`, allreduces of the gradient (`full` s) and of a sixteenth of it (`small` s)."""
+        full precision `step_s`, allreduces of the gradient (`full` s) and of a sixteenth of it (`small` s), and the
+        probe's pass (`probe_s`, cost.probe_s), by which the published per-element costs are scaled to this machine."""
         from hvd_compress import advise, cost
         elements = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
         link = fitted_link(4 * elements, full, 4 * max(1, elements // 16), small, ranks)
@@ -141,15 +145,14 @@ class AutoCompression(NoneCompressor):
         # optimizer: the compute is the step less both.
         full_link_s = cost.predict("none", shapes, 0.0, cost.Cluster(ranks, cost.Link(link.rate_bps, 0.0)),
                                    cost.Machine("link only", {}, 0.0)).link_s
-        rough = cost.published_cpu(kind_of(optimizer) or "sgd").scaled_to(max(step_s - full_link_s, 1e-6), elements)
-        none_s = rough.own_s("none", elements, cost.planned_collectives("none", shapes, ranks))
+        kind = kind_of(optimizer)
+        machine = cost.published_cpu(kind or "sgd").scaled_by_probe(probe_s)
+        none_s = machine.own_s("none", elements, cost.planned_collectives("none", shapes, ranks))
         compute_s = max(step_s - full_link_s - none_s, 1e-6)
         baseline_s = step_s  # what the job takes now, at full precision
         if self.link is not None:  # the given link: full precision's step is predicted on it too
             link = cost.Link.parse(self.link, link.latency_s)
-            baseline_s = compute_s + cost.predict("none", shapes, 0.0, cost.Cluster(ranks, link), rough).total_s
-        kind = kind_of(optimizer)
-        machine = cost.published_cpu(kind or "sgd").scaled_to(compute_s, elements)
+            baseline_s = compute_s + cost.predict("none", shapes, 0.0, cost.Cluster(ranks, link), machine).total_s
         rows = advise.advise(shapes, compute_s, cost.Cluster(ranks, link), kind or "sgd", machine, self.methods,
                              hierarchical=False)
         safe = [a for a in rows if (a.risk == "low" if kind else a.step.method in OTHER_OPTIMIZERS)]

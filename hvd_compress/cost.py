@@ -92,17 +92,31 @@ class Machine:
     per_collective_s: float = PER_COLLECTIVE_S
     #: the calibration run's floor (no_exchange's step) per element, where known: `scaled_to` a faster or slower machine
     floor_per_element_s: Optional[float] = None
+    #: the calibration machine's time for the probe's pass (`probe_s`), where known: `scaled_by_probe`
+    probe_s: Optional[float] = None
 
     def scaled_to(self, compute_s, elements):
-        """These costs on a machine whose floor is `compute_s` for `elements` elements: scaled by the floors' ratio
-        (the method's passes and the step's compute are both memory- and core-bound on the CPU); itself where the
-        calibration's floor is unknown."""
+        """These costs on a machine whose floor is `compute_s` for `elements` elements of the calibration's model (the
+        25M MLP): scaled by the floors' ratio (the method's passes and the step's compute are both memory- and
+        core-bound on the CPU); itself where the calibration's floor is unknown. Only for that model: a model of
+        more compute per parameter (a transformer, a CNN) has a longer floor per element on the same machine, so
+        another model is scaled by the probe instead."""
         if not self.floor_per_element_s:
             return self
-        factor = compute_s / elements / self.floor_per_element_s
-        return dataclasses.replace(self, name=f"{self.name}, scaled by its floor {factor:.2f}x",
-                                   per_element={m: c * factor for m, c in self.per_element.items()},
-                                   floor_per_element_s=compute_s / elements)
+        return self._scaled(compute_s / elements / self.floor_per_element_s, "its floor",
+                            floor_per_element_s=compute_s / elements)
+
+    def scaled_by_probe(self, probe_s):
+        """These costs on a machine whose probe's pass (`probe_s()`, with the threads the job trains with, its ranks
+        running at once) takes `probe_s` seconds: scaled by the probes' ratio, whatever the model; itself where the
+        calibration's probe is unknown."""
+        if not self.probe_s:
+            return self
+        return self._scaled(probe_s / self.probe_s, "the probe", probe_s=probe_s)
+
+    def _scaled(self, factor, by, **calibration):
+        return dataclasses.replace(self, name=f"{self.name}, scaled by {by} {factor:.2f}x",
+                                   per_element={m: c * factor for m, c in self.per_element.items()}, **calibration)
 
     def own_s(self, method, elements, collectives):
         """Seconds `method` adds to a step of `elements` elements that runs `collectives` collectives. A method the
@@ -130,15 +144,40 @@ class Machine:
                                  {m: planned_collectives(m, shapes, 2, optimizer) for m in added}, step_ms["no_exchange"])
 
 
+#: the probe: one pass reading and writing PROBE_ELEMENTS float32 values (y = 0.5 x + 1), the kind of pass a
+#: method's own work is made of; machines are compared by its time (`probe_s`, `Machine.scaled_by_probe`)
+PROBE_ELEMENTS = 1 << 24
+
+
+def probe_s(repeats=7):
+    """The median seconds of the probe's pass in this process, on the intra-op threads it trains with (after one
+    untimed pass)."""
+    import statistics
+    import time
+
+    import tensorflow as tf
+    x = tf.random.uniform([PROBE_ELEMENTS])
+    one_pass = tf.function(lambda x: x * 0.5 + 1.0)
+    one_pass(x).numpy()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        one_pass(x).numpy()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
 #: the 25M MLP of the published one-rank tables (benchmarks/wire.py's mlp25m: Dense 1000-3500-3500-2700-10)
 MLP25M_SHAPES = [(1000, 3500), (3500,), (3500, 3500), (3500,), (3500, 2700), (2700,), (2700, 10), (10,)]
 #: the published one-rank tables (docs/benchmarks.md, "What compression costs"; the 25M MLP, one intra-op thread,
 #: TensorFlow's BFC allocator, a 2-core AMD EPYC): what each method added to no_exchange's step, ms
-#: (and its floor, no_exchange's step)
+#: (and its floor, no_exchange's step, and the probe's time there in ms: estimated as the probe's 15.3 ms on one
+#: intra-op thread of a 2-core AMD EPYC Zen 5 times the two machines' floors' ratio under the optimizer, overhead.py's
+#: no_exchange with the same flags on both: 385.1 / 104.6 under SGD, 427.4 / 151.1 under AdamW)
 PUBLISHED_ADDED_MS = {
-    "sgd": ("2-core AMD EPYC, momentum SGD (overhead.py at 156bc45)", 385.1,
+    "sgd": ("2-core AMD EPYC, momentum SGD (overhead.py at 156bc45)", 385.1, 15.3 * 385.1 / 104.6,
             dict(none=-43.3, horovod_fp16=7.2, onebit=23.8, quantize8=97.9, topk=24.4, powersgd=-17.7, sketch=290.0)),
-    "adamw": ("2-core AMD EPYC, AdamW (overhead.py at 6e5d984)", 427.4,
+    "adamw": ("2-core AMD EPYC, AdamW (overhead.py at 6e5d984)", 427.4, 15.3 * 427.4 / 151.1,
               dict(horovod_fp16=-20.2, onebit=-91.2, quantize8=67.6, topk=-56.2, powersgd=-6.8)),
 }
 
@@ -156,10 +195,10 @@ def published_cpu(optimizer="sgd"):
     """The Machine of the published one-rank CPU table under `optimizer` ("sgd" or "adamw")."""
     if optimizer not in PUBLISHED_ADDED_MS:
         raise ValueError(f"optimizer={optimizer!r}: the published CPU tables are for {sorted(PUBLISHED_ADDED_MS)}.")
-    name, floor_ms, added = PUBLISHED_ADDED_MS[optimizer]
+    name, floor_ms, probe_ms, added = PUBLISHED_ADDED_MS[optimizer]
     elements = sum(math.prod(s) for s in MLP25M_SHAPES)
     return Machine.from_added_ms(name, elements, added, {m: planned_collectives(m, MLP25M_SHAPES, 2, optimizer)
-                                                         for m in added}, floor_ms)
+                                                         for m in added}, floor_ms, probe_s=probe_ms / 1e3)
 
 
 # -- bytes and collectives, as the optimizer plans them -------------------------------------------------------------

@@ -24,9 +24,10 @@ def test_the_choice_follows_the_link(kind):
     optimizer = cost.keras_optimizer(kind)
     chooser = hc.Compression.auto()
     elements = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in cost.MLP25M_SHAPES)
-    slow = chooser.choose(optimizer, cost.MLP25M_SHAPES, 1.0, 0.8, 0.8 / 16 + 1e-3, 2)[0]
+    probe = cost.published_cpu(kind).probe_s  # (the published machine's own speed: its costs unscaled)
+    slow = chooser.choose(optimizer, cost.MLP25M_SHAPES, 1.0, 0.8, 0.8 / 16 + 1e-3, 2, probe)[0]
     assert slow["method"] == ("onebit" if kind == "adamw" else slow["method"]) and slow["method"] != "none", slow
-    fast = chooser.choose(optimizer, cost.MLP25M_SHAPES, 0.3, 4 * elements * 8 / 1e13, 1e-6, 2)[0]
+    fast = chooser.choose(optimizer, cost.MLP25M_SHAPES, 0.3, 4 * elements * 8 / 1e13, 1e-6, 2, probe)[0]
     if kind == "sgd":
         assert fast["method"] == "none" and "full precision" in fast["why"] and "measured" in fast["why"], fast
     else:  # 1-bit Adam's step in fused kernels is shorter than Keras's AdamW even where nothing is sent

@@ -61,6 +61,19 @@ def test_one_rank_costs_come_from_step_times_and_follow_the_floor():
         cost.Machine.from_steps("here", shapes, dict(topk=110.0))
 
 
+def test_the_published_costs_follow_the_probe_whatever_the_model():
+    """A machine whose probe's pass takes half as long makes each method's passes take half as long, on any model;
+    the floor of a model of more compute per parameter does not inflate them (the floor's scaling is the
+    calibration model's only). The probe runs here, and is a pass over 16M floats."""
+    published = cost.published_cpu("sgd")
+    faster = published.scaled_by_probe(published.probe_s / 2)
+    assert faster.per_element["quantize8"] == pytest.approx(published.per_element["quantize8"] / 2)
+    assert faster.probe_s == published.probe_s / 2 and "probe 0.50x" in faster.name
+    here = cost.probe_s(repeats=3)
+    assert 1e-4 < here < 1.0  # 64 MiB read and written: well under a second, over a tenth of a ms
+    assert cost.Machine("no probe", {"topk": 1e-9}).scaled_by_probe(here).per_element["topk"] == 1e-9
+
+
 def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="link rate 'fast'"):
         cost.Link.parse("fast")
