@@ -161,7 +161,7 @@ METHODS = [*BASELINES, *(name for name in registry.NAMES if name not in BASELINE
 MLPS = {"mlp25m": [1000, 3500, 3500, 2700, 10],  # 25,236,710 parameters
         "mlp4m": [512, 2048, 1536, 10]}  # 4,213,258 parameters
 #: text24m: time_to_accuracy.py --task=text's model (launch.text_mlp, 24.2M parameters, an embedding first);
-#: transformer: its default task's (examples/transformer.py's causal transformer, 0.5M parameters, compute-bound)
+#: transformer: its default task's (examples/transformer.py's causal transformer, 0.4M parameters, compute-bound)
 MODELS = [*MLPS, "digits_cnn", "text24m", "transformer"]
 
 flags.DEFINE_enum("role", "launcher", ["launcher", "worker"], "launcher builds the network and starts the ranks.")
@@ -390,7 +390,8 @@ def run_job(net, model, method):
     argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
             f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
             f"--batch_size={FLAGS.batch_size}", f"--idle_s={FLAGS.idle_s}", f"--optimizer={FLAGS.optimizer}",
-            *([f"--fusion_threshold_bytes={FLAGS.fusion_threshold_bytes}"] if FLAGS.fusion_threshold_bytes else [])]
+            *([f"--fusion_threshold_bytes={FLAGS.fusion_threshold_bytes}"]
+              if FLAGS.fusion_threshold_bytes is not None else [])]
     return launch.run_in_namespaces(net, argv, FLAGS.timeout, f"{model} {method} on {net.layout} ranks",
                                     inter_op_threads=FLAGS.inter_op_threads, launcher=FLAGS.launcher,
                                     tf_cpu_allocator=FLAGS.tf_cpu_allocator, point_to_point=launch.needs_mpi(method))
@@ -447,7 +448,7 @@ def command_line():
                                slow_start_after_idle=FLAGS.slow_start_after_idle, launcher=FLAGS.launcher,
                                tf_cpu_allocator=FLAGS.tf_cpu_allocator,
                                **({"fusion_threshold_bytes": FLAGS.fusion_threshold_bytes}
-                                  if FLAGS.fusion_threshold_bytes else {}),
+                                  if FLAGS.fusion_threshold_bytes is not None else {}),
                                **({"table_suffix": FLAGS.table_suffix} if FLAGS.table_suffix else {}),
                                timeout=FLAGS.timeout, out=FLAGS.out)
 

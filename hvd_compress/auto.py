@@ -86,24 +86,31 @@ class AutoCompression(NoneCompressor):
             self._times[step] = time.perf_counter() - self._begun[1]
         self._begun = None
 
-    def due(self, step):
-        """Whether the calibration is over after the optimizer's step `step` and nothing is decided yet."""
-        return self.decision is None and step >= self.calibration_steps
+    def due(self):
+        """Whether the calibration is over (it has timed `calibration_steps` steps, whatever step the optimizer
+        started from: a restored checkpoint too) and nothing is decided yet."""
+        return self.decision is None and len(self._times) >= self.calibration_steps
 
     def train_step(self, optimizer, variables, run_step):
         """A custom loop's step: `run_step()` (one optimizer step, its result fetched), timed while the calibration
         lasts, and after its last step `decide(optimizer, variables)`. Returns (run_step's result, whether it
         decided now: the caller then makes its tf.function anew)."""
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # (inside a LossScaleOptimizer)
         if self.decision is not None:
             return run_step(), False
         self.batch_begins(int(optimizer.iterations.numpy()))
         result = run_step()
-        step = int(optimizer.iterations.numpy())
-        self.batch_ends(step)
-        if not self.due(step):
-            return result, False
+        return result, self.step_ended(optimizer, variables)
+
+    def step_ended(self, optimizer, variables):
+        """After a step that batch_begins preceded: records its time and, once the calibration is over, decides
+        (model.fit's callbacks and train_step). Returns whether it decided now: the caller retraces its step."""
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # (inside a LossScaleOptimizer)
+        self.batch_ends(int(optimizer.iterations.numpy()))
+        if not self.due():
+            return False
         self.decide(optimizer, variables)
-        return result, True
+        return True
 
     def decide(self, optimizer, variables):
         """Measures the link, predicts every candidate's step and switches the optimizer to the choice, for
@@ -112,6 +119,7 @@ class AutoCompression(NoneCompressor):
         tf.function). Returns the chosen method's name."""
         import horovod.tensorflow as hvd
         from hvd_compress import cost
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # (inside a LossScaleOptimizer)
         process_set = optimizer.hc_process_set
         variables = list(variables)
         shapes = [tuple(int(d) for d in v.shape) for v in variables]
@@ -158,7 +166,9 @@ class AutoCompression(NoneCompressor):
         safe = [a for a in rows if (a.risk == "low" if kind else a.step.method in OTHER_OPTIMIZERS)]
         best = min(safe, key=lambda a: a.step.total_s, default=None)
         facts = (f"the step at full precision {step_s * 1e3:.1f} ms, an eager allreduce of the gradient "
-                 f"{full * 1e3:.1f} ms, the link {link.rate_bps / 1e9:.3g} Gbit/s ({'given' if self.link else 'measured'})")
+                 f"{full * 1e3:.1f} ms, the link {link.rate_bps / 1e9:.3g} Gbit/s "
+                 f"({'given' if self.link else 'measured'}), "
+                 f"the methods' own costs: {machine.name} (the probe here {probe_s * 1e3:.1f} ms)")
         if best is not None and best.step.total_s < (1 - advise.MARGIN) * baseline_s:
             why = (f"{best.step.method}, predicted {best.step.total_s * 1e3:.1f} ms a step against "
                    f"{baseline_s * 1e3:.1f} at full precision; {facts}")

@@ -199,12 +199,8 @@ class _DistributedTrainingCallback(Callback):
         after model.fit traced its step (Keras keeps that step until model.compile) is not in it. Compression.auto()
         times the step and, once its calibration is over, decides (hvd_compress/auto.py)."""
         auto = auto_compression_of(self.model)
-        if auto is not None:
-            step = int(hc_optimizer(self.model).iterations.numpy())
-            auto.batch_ends(step)
-            if auto.due(step):
-                auto.decide(hc_optimizer(self.model), self.model.trainable_variables)
-                self.model.make_train_function(force=True)  # the step of the chosen exchange
+        if auto is not None and auto.step_ended(hc_optimizer(self.model), self.model.trainable_variables):
+            self.model.make_train_function(force=True)  # the step of the chosen exchange
         if self.first_batch:
             self.first_batch = False
             optimizer = hc_optimizer(self.model)

@@ -98,13 +98,13 @@ class Machine:
     def scaled_to(self, compute_s, elements):
         """These costs on a machine whose floor is `compute_s` for `elements` elements of the calibration's model (the
         25M MLP): scaled by the floors' ratio (the method's passes and the step's compute are both memory- and
-        core-bound on the CPU); itself where the calibration's floor is unknown. Only for that model: a model of
-        more compute per parameter (a transformer, a CNN) has a longer floor per element on the same machine, so
-        another model is scaled by the probe instead."""
+        core-bound on the CPU); itself where the calibration's floor is unknown. Right for that model only: a model
+        of more compute per parameter (a transformer, a CNN) has a longer floor per element on the same machine,
+        which scaled_by_probe does not confuse with a slower machine (benchmarks/cost_check.py scales every
+        table's rows by its floor, and names that miss)."""
         if not self.floor_per_element_s:
             return self
-        return self._scaled(compute_s / elements / self.floor_per_element_s, "its floor",
-                            floor_per_element_s=compute_s / elements)
+        return self._scaled(compute_s / elements / self.floor_per_element_s, "its floor")
 
     def scaled_by_probe(self, probe_s):
         """These costs on a machine whose probe's pass (`probe_s()`, with the threads the job trains with, its ranks
@@ -112,9 +112,12 @@ class Machine:
         calibration's probe is unknown."""
         if not self.probe_s:
             return self
-        return self._scaled(probe_s / self.probe_s, "the probe", probe_s=probe_s)
+        return self._scaled(probe_s / self.probe_s, "the probe")
 
     def _scaled(self, factor, by, **calibration):
+        """Every per-element cost, and the calibration it is known by (floor, probe), times `factor`."""
+        calibration = dict(floor_per_element_s=self.floor_per_element_s and self.floor_per_element_s * factor,
+                           probe_s=self.probe_s and self.probe_s * factor, **calibration)
         return dataclasses.replace(self, name=f"{self.name}, scaled by {by} {factor:.2f}x",
                                    per_element={m: c * factor for m, c in self.per_element.items()}, **calibration)
 
@@ -156,14 +159,15 @@ def probe_s(repeats=7):
     import time
 
     import tensorflow as tf
-    x = tf.random.uniform([PROBE_ELEMENTS])
-    one_pass = tf.function(lambda x: x * 0.5 + 1.0)
-    one_pass(x).numpy()
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
+    with tf.device("/CPU:0"):  # (the published costs it scales are CPU ones)
+        x = tf.random.uniform([PROBE_ELEMENTS])
+        one_pass = tf.function(lambda x: x * 0.5 + 1.0)
         one_pass(x).numpy()
-        times.append(time.perf_counter() - begin)
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            one_pass(x).numpy()
+            times.append(time.perf_counter() - begin)
     return statistics.median(times)
 
 
@@ -173,7 +177,9 @@ MLP25M_SHAPES = [(1000, 3500), (3500,), (3500, 3500), (3500,), (3500, 2700), (27
 #: TensorFlow's BFC allocator, a 2-core AMD EPYC): what each method added to no_exchange's step, ms
 #: (and its floor, no_exchange's step, and the probe's time there in ms: estimated as the probe's 15.3 ms on one
 #: intra-op thread of a 2-core AMD EPYC Zen 5 times the two machines' floors' ratio under the optimizer, overhead.py's
-#: no_exchange with the same flags on both: 385.1 / 104.6 under SGD, 427.4 / 151.1 under AdamW)
+#: no_exchange with the same flags on both: 385.1 / 104.6 under SGD, 427.4 / 151.1 under AdamW. The two tables ran on
+#: one kind of machine, and the two estimates of its probe differ by 30%: the floors' ratio is not the same under
+#: the two optimizers, and each table's estimate keeps its own floor's)
 PUBLISHED_ADDED_MS = {
     "sgd": ("2-core AMD EPYC, momentum SGD (overhead.py at 156bc45)", 385.1, 15.3 * 385.1 / 104.6,
             dict(none=-43.3, horovod_fp16=7.2, onebit=23.8, quantize8=97.9, topk=24.4, powersgd=-17.7, sketch=290.0)),

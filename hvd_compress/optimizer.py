@@ -162,7 +162,8 @@ class _DistributedOptimizerMixin(WrapperCore):
 
     @property
     def hc_auto(self):
-        """The Compression.auto() this optimizer was made with (it decides during model.fit), else None."""
+        """The Compression.auto() this optimizer was made with while it has not decided (it decides in model.fit's
+        hvd_compress callbacks, or in a custom loop's auto.train_step), else None."""
         compression = self._hc_saved_settings["compression"]
         return compression if isinstance(compression, AutoCompression) else None
 
@@ -363,9 +364,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     exchange_.settle(optimizer)  # (before the settings model files save)
     check_compression_fits(optimizer, exchange_.compression)
     if isinstance(exchange_.compression, AutoCompression) and not (hvd.is_initialized() and hvd.rank() != 0):
-        log.info("hvd_compress: %r trains at full precision for %d steps of model.fit, then chooses; it decides in "
-                 "hvd_compress's callbacks (BroadcastGlobalVariablesCallback, MetricAverageCallback): without them it "
-                 "stays at full precision.", exchange_.compression, exchange_.compression.calibration_steps)
+        log.info("hvd_compress: %r trains at full precision for %d steps, then chooses; it decides in hvd_compress's "
+                 "callbacks of model.fit (BroadcastGlobalVariablesCallback, MetricAverageCallback) or in a custom "
+                 "loop's auto.train_step: without them it stays at full precision.", exchange_.compression,
+                 exchange_.compression.calibration_steps)
     settings = dict(name=name, compression=exchange_.compression, sparse_as_dense=sparse_as_dense,
                     gradient_predivide_factor=gradient_predivide_factor, op=op,
                     backward_passes_per_step=backward_passes_per_step,
@@ -447,7 +449,7 @@ class DistributedGradientTape:
                  groups=None, process_set=hvd.global_process_set, exchange=None, two_way=None):
         refuse_two_way(two_way)
         refuse_outside_distributed_optimizer(getattr(exchange, "compression", compression),
-                                             "hc.DistributedGradientTape")
+                                             "hc.DistributedGradientTape(compression=... or exchange=...)")
         if exchange is None:
             exchange = GradientExchange(compression, process_set, op, gradient_predivide_factor,
                                         sparse_as_dense, name="hc.tape")

@@ -34,6 +34,17 @@ def test_the_choice_follows_the_link(kind):
         assert fast["method"] == "onebit", fast
 
 
+def test_the_calibration_counts_the_steps_it_timed_whatever_step_it_starts_from():
+    """A restored optimizer starts past calibration_steps: auto still times its calibration_steps steps first (it
+    decided at once on no timed step before)."""
+    chooser = hc.Compression.auto(calibration_steps=3)
+    for step in range(1000, 1003):
+        assert not chooser.due()
+        chooser.batch_begins(step)
+        chooser.batch_ends(step + 1)
+    assert chooser.due()
+
+
 def test_the_link_is_fitted_from_two_allreduces():
     link = auto.fitted_link(16e6, 0.128 + 0.002, 1e6, 0.008 + 0.002, 2)  # 1 Gbit/s, 1 ms a round
     assert link.rate_bps == pytest.approx(1e9, rel=1e-6) and link.latency_s == pytest.approx(1e-3, rel=1e-3)
