@@ -142,7 +142,7 @@ VARIANTS = {
 }
 #: Accordion's PowerSGD rank 4 <-> 1 with every layer critical (rank 4) or calm (rank 1)
 ACCORDION = ("accordion_critical", "accordion_calm")
-#: Compression.auto(): it calibrates for AUTO_CALIBRATION steps after the warm-up, then the timed steps are its choice's
+#: Compression.auto(): it calibrates for its first AUTO_CALIBRATION steps, then warms its choice's step up and times it
 AUTO, AUTO_CALIBRATION = "auto", 10
 BASELINES = ("horovod_fp32", "horovod_fp16")
 #: Each rank steps its own model and sends nothing: the step's compute alone, the floor that an exchange hidden
@@ -322,7 +322,8 @@ def worker():
     tf.keras.utils.set_random_seed(0)
     model = build_model(keras, FLAGS.model)
     opt, accounted = benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
-    step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=FLAGS.warmup)
+    # (auto: no untimed warm-up; the first of its calibration's steps traces and is not timed)
+    step = launch.warm_step(keras, model, opt, FLAGS.batch_size, warmup=0 if FLAGS.method == AUTO else FLAGS.warmup)
     choice = why = None  # Compression.auto()'s, and its reason (rank 0's)
     if FLAGS.method == AUTO:  # its calibration as model.fit's callbacks run it, then its choice's step, retraced
         auto, decided = opt.hc_auto, False  # (once it has decided, the optimizer's compression is its choice)

@@ -20,9 +20,8 @@ For its first `calibration_steps` steps the optimizer averages at full precision
    (DistributedOptimizer.hc_switch_compression) and model.fit retraces its step. From then on the choice is the
    optimizer's compression: model files save it, and a loaded file trains with it.
 
-Where model.fit does not run through hvd_compress's callbacks, nothing decides and the optimizer stays at full
-precision, as rank 0 says when it wraps. A custom loop runs each step through `train_step`, which times it and
-decides after the calibration's last step; the loop then makes its tf.function anew:
+A custom loop runs each step through `train_step`, which times it and decides after the calibration's last step;
+the loop then makes its tf.function anew:
 
     auto = hc.Compression.auto()
     opt = hc.DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression=auto, warmup_steps=100)
@@ -32,7 +31,10 @@ decides after the calibration's last step; the loop then makes its tf.function a
         if decided:
             step = tf.function(train_one_batch)  # the chosen exchange's step
 
-(Once it has decided, the optimizer's compression is the choice, and `opt.hc_auto` is None.)
+(Once it has decided, the optimizer's compression is the choice, and `opt.hc_auto` is None.) Nothing stays at full
+precision in silence: an optimizer step that nothing times (no hvd_compress callback in model.fit, a loop that
+does not call train_step) is refused where it is traced, and a step traced before the decision that runs after it
+(a loop that kept its tf.function) fails with the fix (`guard_step`).
 """
 import logging
 import math
@@ -72,6 +74,7 @@ class AutoCompression(NoneCompressor):
             cost.Link.parse(link)  # a bad rate is refused here, before any step
         self.methods, self.calibration_steps, self.link = methods, calibration_steps, link
         self._begun, self._times, self.decision, self.reason = None, {}, None, None
+        self._decided = None  # a tf.Variable once a step is traced: whether it has decided since (guard_step)
 
     def __repr__(self):
         return f"Compression.auto(methods={self.methods!r}, calibration_steps={self.calibration_steps}, link={self.link!r})"
@@ -85,6 +88,37 @@ class AutoCompression(NoneCompressor):
         if self._begun is not None and step not in self._times and self.decision is None:
             self._times[step] = time.perf_counter() - self._begun[1]
         self._begun = None
+
+    def guard_step(self, grads, variables):
+        """The gradients of an optimizer step being traced (or run eagerly) while auto has not decided, made to wait
+        for a check that it still has not when the step runs: a step traced now runs the calibration's full-precision
+        exchange, which the decision replaces. `variables`, those the step changes (the model's, the optimizer's
+        iterations), are read after the check, so that in the traced step their updates wait for it too (a failed
+        check changes neither the weights nor the optimizer's step). Refuses a step that nothing times (it would never decide)."""
+        import tensorflow as tf
+        if self._begun is None:
+            raise ValueError(
+                f"hc.DistributedOptimizer(compression={self!r}): nothing times this optimizer step, so auto() would "
+                "never decide and the job would stay at full precision. Train with model.fit and hvd_compress's "
+                "BroadcastGlobalVariablesCallback or MetricAverageCallback, or run each step of a custom loop through "
+                "auto.train_step(optimizer, variables, run_step); or give a compression (python -m "
+                "hvd_compress.advise recommends one for your model and link).")
+        if self._decided is None:
+            with tf.init_scope(), tf.device("/CPU:0"):
+                self._decided = tf.Variable(False, trainable=False, name="hc_auto_decided")
+        if tf.executing_eagerly():
+            return grads
+        still_calibrating = tf.debugging.assert_equal(
+            self._decided, False, message=(
+                f"{self!r} has chosen its compression since this step was traced: the step still runs the "
+                "calibration's full-precision exchange. Make the step's tf.function anew when auto.train_step returns "
+                "decided=True (model.fit does so by itself)."))
+        with tf.control_dependencies([still_calibrating]):
+            reads = [tf.convert_to_tensor(v) for v in variables]  # (each variable's later updates follow its read)
+        with tf.control_dependencies(reads):
+            return [None if g is None else
+                    tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+                    else tf.identity(g) for g in grads]
 
     def due(self):
         """Whether the calibration is over (it has timed `calibration_steps` steps, whatever step the optimizer
@@ -132,12 +166,14 @@ class AutoCompression(NoneCompressor):
         if process_set.rank() == 0:
             choice, table = self.choose(optimizer, shapes, step_s, full, small, process_set.size(), probe)
         choice = hvd.broadcast_object(choice, root_rank=0, process_set=process_set, name="hc.auto.decision")
-        self.decision, self.reason = choice["method"], choice["why"]
         if hvd.rank() == 0:
             log.warning("hvd_compress: Compression.auto() after %d steps: %s\n%s", len(self._times), choice["why"],
                         table)
         from hvd_compress import methods as registry  # (none too: the file then says so, and does not calibrate again)
-        optimizer.hc_switch_compression(registry.compression(self.decision), variables)
+        optimizer.hc_switch_compression(registry.compression(choice["method"]), variables)
+        self.decision, self.reason = choice["method"], choice["why"]  # (once the optimizer has switched)
+        if self._decided is not None:
+            self._decided.assign(True)  # (a step traced before now fails if it runs: guard_step)
         return self.decision
 
     def choose(self, optimizer, shapes, step_s, full, small, ranks, probe_s):
@@ -212,7 +248,8 @@ def fitted_link(big_bytes, big_s, small_bytes, small_s, ranks):
     from the difference, the latency of a round from the rest (2 (n-1) rounds)."""
     from hvd_compress import cost, exchange
     big, small = (exchange.allreduce_bytes(b, ranks) for b in (big_bytes, small_bytes))
-    if big_s - small_s < 0.2 * big_s:  # the bytes hardly cost more time: the link is no bottleneck at this size
+    if big <= small or big_s - small_s < 0.2 * big_s:  # one rank (no bytes), or the bytes hardly cost more time:
+        # the link is no bottleneck at this size
         return cost.Link(math.inf, big_s / max(1, 2 * (ranks - 1)))
     rate = (big - small) * 8 / (big_s - small_s)
     latency = max(0.0, (small_s - small * 8 / rate) / max(1, 2 * (ranks - 1)))

@@ -216,6 +216,8 @@ class _DistributedOptimizerMixin(WrapperCore):
         with tf.init_scope():
             self.build([v for _, v in pairs])
         grads, variables = self._hc_exchange.arrange(pairs, "hvd_compress.DistributedOptimizer")
+        if self.hc_auto is not None:  # (calibrating: a step traced now must not run after auto decides)
+            grads = self.hc_auto.guard_step(grads, [v for v in variables if v is not None] + [self.iterations])
         if self._hc_backward_passes == 1:
             return self._hc_apply(grads, variables)
         return self._hc_apply_every_k_passes(grads, variables)
@@ -366,7 +368,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if isinstance(exchange_.compression, AutoCompression) and not (hvd.is_initialized() and hvd.rank() != 0):
         log.info("hvd_compress: %r trains at full precision for %d steps, then chooses; it decides in hvd_compress's "
                  "callbacks of model.fit (BroadcastGlobalVariablesCallback, MetricAverageCallback) or in a custom "
-                 "loop's auto.train_step: without them it stays at full precision.", exchange_.compression,
+                 "loop's auto.train_step (a step that nothing times is refused).", exchange_.compression,
                  exchange_.compression.calibration_steps)
     settings = dict(name=name, compression=exchange_.compression, sparse_as_dense=sparse_as_dense,
                     gradient_predivide_factor=gradient_predivide_factor, op=op,

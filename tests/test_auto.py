@@ -55,7 +55,8 @@ def test_auto_in_model_fit_decides_alike_switches_and_is_saved(keras, loader, np
     """tests/workers/auto_fit.py: on a given slow link (AdamW, and under mixed_float16) auto compresses, on a given fast one (SGD) it keeps full
     precision, on the measured loopback every rank takes the same choice; the ranks stay bit-identical, training goes
     on after the switch, and rank 0's .keras file holds the choice on every rank that loads it; a custom loop through
-    Compression.auto().train_step decides as model.fit does."""
+    Compression.auto().train_step decides as model.fit does, and its step traced before the decision fails with the fix
+    if it runs after it, changing nothing."""
     ranks = [r["results"] for r in run_ranks("auto_fit.py", f"--loader={loader}", np=np, timeout=300,
                                              env=KERASES[keras])]
     for case in ("slow", "fast", "measured", "mixed", "loop"):
@@ -73,7 +74,9 @@ def test_auto_in_model_fit_decides_alike_switches_and_is_saved(keras, loader, np
         else:
             assert ours[0]["bytes_after"] <= ours[0]["allreduce_bytes"] / 8, case
             assert all(r["compression"] != "AutoCompression" for r in ours), case
-        if case == "loop":  # (a custom loop: no model file)
+        if case == "loop":  # (a custom loop: no model file) its step traced before the decision is refused
+            assert all("has chosen its compression since this step was traced" in r["stale"]["message"]
+                       and r["stale"]["unchanged"] for r in ours), [r["stale"] for r in ours]
             continue
         assert len({r["resumed_digest"] for r in ours}) == 1, case
         assert ours[0]["resumed_loss"] <= ours[0]["loss"][-1] * 1.2, case  # the loaded file trains on

@@ -138,6 +138,40 @@ def test_auto_is_refused_where_nothing_would_decide():
             hc.DistributedGradientTape(tape, **kwargs)
 
 
+def test_auto_refuses_an_untimed_step_and_a_step_traced_before_it_decided():
+    """Compression.auto() as a user may call it wrong: a step outside auto.train_step or hvd_compress's fit callbacks
+    (nothing times it, so nothing would decide) is refused where it is traced; a tf.function traced during the
+    calibration that runs after the decision (it would go on with the calibration's full-precision exchange) fails
+    with the fix and changes nothing; a function made anew then trains with the choice."""
+    model = keras.Sequential([keras.Input([8]), keras.layers.Dense(4)])
+    auto = hc.Compression.auto(calibration_steps=3)
+    opt = hc.DistributedOptimizer(keras.optimizers.AdamW(1e-2), compression=auto)
+    x, y = tf.random.normal([16, 8], seed=1), tf.random.normal([16, 4], seed=2)
+
+    def one_batch():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    model.compile(optimizer=opt, loss="mse")
+    for untimed in (tf.function(one_batch), one_batch,  # traced, eager, and model.fit without hvd_compress's callbacks
+                    lambda: model.fit(x, y, epochs=1, verbose=0)):
+        with pytest.raises(ValueError, match=r"nothing times this optimizer step.*auto\.train_step"):
+            untimed()
+    step, decided, losses = tf.function(one_batch), False, []
+    while not decided:
+        loss, decided = auto.train_step(opt, model.trainable_variables, lambda: step().numpy())
+        losses.append(float(loss))
+    assert auto.decision is not None and opt.hc_auto is None
+    steps = int(opt.iterations.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="has chosen its compression since this step was traced"):
+        step()
+    step = tf.function(one_batch)  # the chosen exchange's step
+    losses += [float(step()) for _ in range(5)]
+    assert int(opt.iterations.numpy()) == steps + 5 and losses[-1] < losses[0], losses
+
+
 def test_tape_exchange_state_is_checkpointed(tmp_path):
     def trained_exchange(steps):
         w = tf.Variable(tf.zeros([2048]))

@@ -46,6 +46,18 @@ class BytesProbe(tf.keras.callbacks.Callback):
         self.bytes.append(float(optimizer.bytes_per_step))
 
 
+def stale_step_refused(step, x, y, opt, model):
+    """Runs `step`, traced before auto decided: (its error's message, whether the weights and the optimizer's step
+    stayed as they were)."""
+    before, iterations = weights_digest(model), int(opt.iterations.numpy())
+    try:
+        step(x, y)
+        message = None
+    except tf.errors.InvalidArgumentError as error:
+        message = error.message
+    return dict(message=message, unchanged=weights_digest(model) == before and int(opt.iterations.numpy()) == iterations)
+
+
 def custom_loop(keras, data):
     """The "loop" case: the digits CNN under AdamW in a custom loop, auto() given a 10 Mbit/s link."""
     (x_train, y_train), (x_test, y_test) = data
@@ -71,7 +83,8 @@ def custom_loop(keras, data):
     step, losses, sent = tf.function(train_one_batch), [], []
     for i, (x, y) in enumerate(train_set.take(EPOCHS * steps)):
         loss, decided = auto.train_step(opt, model.trainable_variables, lambda: step(x, y).numpy())
-        if decided:
+        if decided:  # the calibration's step, run once more as a loop that kept it would: it fails, changing nothing
+            stale = stale_step_refused(step, x, y, opt, model)
             step = tf.function(train_one_batch)  # the chosen exchange's step
         if i == 0:
             hc.broadcast_variables(opt.variables() if callable(opt.variables) else opt.variables, 0)
@@ -80,7 +93,7 @@ def custom_loop(keras, data):
     logging.getLogger("hvd_compress").removeHandler(logged)
     logits = model(x_test, training=False)
     return dict(decision=auto.decision, compression=type(opt.compression_exchange.compression).__name__,
-                logged=[line for line in logged.lines if "Compression.auto()" in line],
+                logged=[line for line in logged.lines if "Compression.auto()" in line], stale=stale,
                 bytes_before=sent[0], bytes_after=sent[-1],
                 allreduce_bytes=hc.exchange.allreduce_bytes(4.0 * model.count_params(), hvd.size()),
                 loss=[sum(losses[e * steps:(e + 1) * steps]) / steps for e in range(EPOCHS)],
