@@ -225,7 +225,7 @@ class TopKExchange:
 class OneBitAdam:
     """1-bit Adam (hvd_compress/adam.py) for n simulated workers on one flat float32 tensor: Keras's
     Adam on the mean gradient for warmup_steps steps, then the momentum over d = sqrt(v) + eps, clipped at
-    B = (1 - b1^t) / sqrt(1 - b2^T_w), exchanged by onebit with the variance frozen, and the step clipped at lr. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow
+    k B = max(1, (1 - b1) / sqrt(1 - b2)) (1 - b1^t) / sqrt(1 - b2^T_w), exchanged by onebit with the variance frozen, and the step clipped at lr. AdamW: weight_decay > 0 (x -= x (wd lr) first, the order TensorFlow
     computes Keras's x - x * wd * lr in); amsgrad: the largest v so far divides."""
 
     def __init__(self, d, n, warmup_steps, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=0.0,
@@ -234,6 +234,7 @@ class OneBitAdam:
         exchange: another exchange of the compressed steps (error_fed_mean)."""
         self.n, self.warmup_steps, self.amsgrad = n, warmup_steps, amsgrad
         self.b1, self.b2, self.eps, self.wd = (np.float32(v) for v in (beta_1, beta_2, epsilon, weight_decay))
+        self.k = np.float32(max(1.0, (1.0 - beta_1) / np.sqrt(1.0 - beta_2)))  # Adam's largest step over lr
         # 1 - beta in Python's float64, then float32: as Keras computes them
         self.keep_1, self.keep_2 = np.float32(1 - beta_1), np.float32(1 - beta_2)
         self.exchange = exchange or (HierarchicalOneBit(d, *hosts, block_size, two_way) if hosts else
@@ -255,11 +256,11 @@ class OneBitAdam:
             self.v_hat = np.maximum(self.v_hat, self.v)
             x -= (self.m * np.float32(alpha)) / self.preconditioner()
             return
-        bound = (one - self.b1 ** np.float32(self.t)) / np.sqrt(one - self.b2 ** variance_step)
+        bound = self.k * ((one - self.b1 ** np.float32(self.t)) / np.sqrt(one - self.b2 ** variance_step))  # k B
         x -= np.clip(self.compressed_step(grads, np.float32(alpha), np.float32(bound)), -lr, lr)
 
     def compressed_step(self, grads, alpha, bound):
-        """The step before its clip at lr; bound: B, where the bias-corrected m / d is 1."""
+        """The step before its clip at lr; bound: k B (B: where the bias-corrected m / d is 1)."""
         d = self.preconditioner()
         mean = self.exchange.error_fed_mean([np.clip((self.m + (g - self.m) * self.keep_1) / d, -bound, bound)
                                              for g in grads])
