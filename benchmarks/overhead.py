@@ -16,7 +16,11 @@ floor), compiles
 launch.training_step on one random batch of --batch_size, runs it --warmup
 times, then:
 - step ms: the median wall time of --steps steps (step().numpy()), not profiled;
-  beside it, the ms it adds to no_exchange's step, and the ratio;
+  beside it, the ms it adds to no_exchange's step, and the ratio. With
+  --rounds=R every method runs R times in turn (a fresh process each time:
+  round 1 runs each once, then round 2...) and its row is the round of its
+  median step, with the rounds' range: on a shared VM one process's step can
+  differ from the next one's by 15 ms;
 - phases: --profile_steps more steps under TensorFlow's profiler
   (tf.profiler.experimental, host tracer), whose XSpace
   (tensorflow.tsl.profiler.protobuf.xplane_pb2) has one event per op the
@@ -66,7 +70,7 @@ machine).
 
 Flags shared with benchmarks/wire.py (its module defines them; this one reuses
 them, with its own defaults): --methods, --models, --steps, --warmup,
---batch_size, --optimizer, --timeout, --out, and the worker's --role, --method,
+--rounds, --batch_size, --optimizer, --timeout, --out, and the worker's --role, --method,
 --model, --result.
 """
 import collections
@@ -104,7 +108,8 @@ flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
 flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (horovod_fp32, "
                   "horovod_fp16) run its allreduce and casts on one rank, where it otherwise skips them.")
-for name in ("methods", "models", "steps", "warmup", "batch_size", "optimizer", "tf_cpu_allocator", "timeout", "out"):
+for name in ("methods", "models", "steps", "warmup", "rounds", "batch_size", "optimizer", "tf_cpu_allocator", "timeout",
+             "out"):
     flags.declare_key_flag(name)  # wire.py's, listed in --help
 FLAGS = flags.FLAGS
 FLAGS.set_default("methods", DEFAULT_METHODS)
@@ -356,14 +361,17 @@ def main(_):
           f"{FLAGS.warmup} warmup, then {FLAGS.profile_steps} profiled steps for the phases (ms, each the median "
           f"over them), {FLAGS.threads} intra-op and 1 inter-op TensorFlow thread. These are CPU timings: "
           f"the machine should be quiet (nothing else running).", flush=True)
-    rows = []
-    for model in FLAGS.models:
-        for method in FLAGS.methods:
-            rows.append(run_job(model, method))
-            r = rows[-1]
-            print(f"{model} {method}: step {r['step_ms']:.1f} ms; " + ", ".join(
-                f"{p} {r['phases_ms'][p]:.2f}" for p in PHASES) + f" ms (profiled step {r['profiled_step_ms']:.1f} "
-                  f"ms)", flush=True)
+    runs = {}  # (model, method) -> its rounds' rows; a round runs every job once, in turn
+    for round_ in range(FLAGS.rounds):
+        for model in FLAGS.models:
+            for method in FLAGS.methods:
+                r = run_job(model, method)
+                runs.setdefault((model, method), []).append(r)
+                which = f" (round {round_ + 1} of {FLAGS.rounds})" if FLAGS.rounds > 1 else ""
+                print(f"{model} {method}{which}: step {r['step_ms']:.1f} ms; " + ", ".join(
+                    f"{p} {r['phases_ms'][p]:.2f}" for p in PHASES) + f" ms (profiled step "
+                      f"{r['profiled_step_ms']:.1f} ms)", flush=True)
+    rows = [wire.median_round(rounds) for rounds in runs.values()]
     for model in FLAGS.models:
         print_table(model, [r for r in rows if r["model"] == model])
     print(f"\nstep ms: unprofiled median. vs {BASELINE}: ms added to the step of the bare "
@@ -377,7 +385,7 @@ def main(_):
              else "skip their allreduce on one rank, as Horovod does. ")
           + "See the docstring of benchmarks/overhead.py.")
     command = launch.command_line(__file__, models=FLAGS.models, methods=FLAGS.methods, steps=FLAGS.steps,
-                                  warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
+                                  warmup=FLAGS.warmup, rounds=FLAGS.rounds, profile_steps=FLAGS.profile_steps,
                                   batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer, threads=FLAGS.threads,
                                   horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1,
                                   tf_cpu_allocator=FLAGS.tf_cpu_allocator, out=FLAGS.out)
@@ -397,11 +405,13 @@ def render(rows):
             + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
             + ", one rank (no network), "
             f"{r0['intra_op_threads']} intra-op and 1 inter-op thread, {launch.allocator_note(r0)}; step: median of "
-            f"{r0['steps']} steps after "
-            f"{r0['warmup']}; phases: medians over {r0['profile_steps']} profiled steps; ms.")
+            f"{r0['steps']} steps after {r0['warmup']}"
+            + (f", the round of the median step of {len(r0['step_ms_rounds'])}, every method once a round, with the "
+               f"rounds' range" if len(r0.get("step_ms_rounds") or []) > 1 else "")
+            + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms.")
     table = results.markdown_table(
         ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],
-        [[r["method"], f"{r['step_ms']:.1f}",
+        [[r["method"], wire.step_cell(r),
           f"{r['step_ms'] - baseline['step_ms']:+.1f}" if baseline and r is not baseline else "-",
           *(f"{r['phases_ms'][p]:.1f}" for p in PHASES)] for r in rows])
     return f"{note}\n\n{table}"

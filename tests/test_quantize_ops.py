@@ -1,5 +1,6 @@
 """The blockwise low-bit quantizer's ops (hvd_compress/quantize_ops.py) against the NumPy reference
 (bit-exact), and what the format in tf_ops/quantize_ops.cc promises."""
+import os
 import subprocess
 import sys
 
@@ -280,3 +281,30 @@ def test_results_do_not_depend_on_thread_count(tmp_path):
     np.testing.assert_array_equal(one_thread["p"], p.numpy())
     assert_bits_equal(one_thread["r"], r.numpy())
     assert_bits_equal(one_thread["y"], y.numpy())
+
+
+@pytest.mark.skipif("avx512bw" not in open("/proc/cpuinfo").read(), reason="the CPU has no AVX-512: one coder only")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_avx512_and_avx2_coders_give_the_same_bits(tmp_path, bits):
+    """Where the CPU has AVX-512, stochastic coding runs 16 elements at a time; HVD_COMPRESS_AVX512=0 keeps the AVX2
+    coder. Both give NumPy's bits."""
+    script = tmp_path / "avx2.py"
+    script.write_text(
+        "import sys, numpy as np, tensorflow as tf\n"
+        "from hvd_compress import ops, quantize_ops as q\n"
+        "x = np.random.default_rng(4).standard_normal(3 * 16384 + 21).astype(np.float32)\n"
+        "bounds = ops.layout_bounds([100, x.size - 100], 256)\n"
+        f"p, s, o, r = q.block_quantize_compress(x, bounds, {bits}, True, (5, 6))\n"
+        "np.savez(sys.argv[1], p=p.numpy(), s=s.numpy(), r=r.numpy())\n")
+    env = {**os.environ, "HVD_COMPRESS_AVX512": "0"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "avx2.npz")], check=True, timeout=120, env=env)
+    avx2 = np.load(tmp_path / "avx2.npz")
+    x = np.random.default_rng(4).standard_normal(3 * K + 21).astype(np.float32)
+    bounds = ops.layout_bounds([100, x.size - 100], 256)
+    got = [t.numpy() for t in qops.block_quantize_compress(x, bounds, bits, True, (5, 6))]
+    want = ref.block_quantize_compress(x, bounds, bits, True, (5, 6))
+    np.testing.assert_array_equal(got[0], want[0])
+    assert_bits_equal(got[3], want[3])
+    np.testing.assert_array_equal(avx2["p"], got[0])
+    assert_bits_equal(avx2["s"], got[1])
+    assert_bits_equal(avx2["r"], got[3])
