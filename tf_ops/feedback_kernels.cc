@@ -38,11 +38,19 @@ class MomentumErrorFeedOp : public OpKernel {
     float* a_out = a->flat<float>().data();
     const float rate = lr.scalar<float>()(), mu = momentum.scalar<float>()();
     const float scale = residual_scale.scalar<float>()();
-    const bool nesterov = nesterov_;
+    // One vectorized loop per rule, as AdamFrozenStep's (adam_kernels.cc): a may be g's buffer, read before written.
     ParallelFor(ctx, NumChunks(g.NumElements()), kChunk * 4, [&](int64_t first, int64_t last) {
       const int64_t end = std::min(last * kChunk, g.NumElements());
-      for (int64_t i = first * kChunk; i < end; ++i) {
-        MomentumErrorFeedAt(gp[i], mp[i], ep[i], rate, mu, scale, nesterov, &m_out[i], &a_out[i]);
+      if (nesterov_) {
+#pragma GCC ivdep
+        for (int64_t i = first * kChunk; i < end; ++i) {
+          MomentumErrorFeedAt(gp[i], mp[i], ep[i], rate, mu, scale, true, &m_out[i], &a_out[i]);
+        }
+      } else {
+#pragma GCC ivdep
+        for (int64_t i = first * kChunk; i < end; ++i) {
+          MomentumErrorFeedAt(gp[i], mp[i], ep[i], rate, mu, scale, false, &m_out[i], &a_out[i]);
+        }
       }
     });
   }
