@@ -435,7 +435,9 @@ class ShardedTwoWay(Exchange):
 
     The compressor is the code: `bits` per element, `floats_per_block` float32 values per block,
     `block_size`, `server_feedback`, `encode_with_residual(flat, bounds, salt, step) -> ((codes,
-    *floats), residual)` and `decode_mean(payloads, bounds, plus=None)`; `salt` tells the draws of
+    *floats), residual)`, `decode_mean(payloads, bounds, plus=None)` and the server's step,
+    `recode_mean(payloads, bounds, plus, salt, step)`: encode_with_residual of decode_mean's result
+    (fused where the code has a kernel for it); `salt` tells the draws of
     buckets, ranks, worker and server apart (2 (1024 bucket + rank), + 1 on the server), where the
     code draws at random.
     """
@@ -479,11 +481,9 @@ class ShardedTwoWay(Exchange):
                                    process_set=bucket.process_set, name=bucket.name + ".alltoall")
         mine, kept = self.shards[bucket.rank], state.get("server_residual")
         server_bounds = tf.constant(self.server_bounds)
-        error_fed_mean = compressor.decode_mean(  # A_j = mean_i Q_i[j] + s e_s, in one pass
+        server_payload, server_residual = compressor.recode_mean(  # A_j = mean_i Q_i[j] + s e_s; D_j = C(A_j)
             self._split(received, bucket.size, mine), server_bounds,
-            plus=None if kept is None else rescaled(kept, step.residual_scale))
-        server_payload, server_residual = compressor.encode_with_residual(error_fed_mean, server_bounds, salt + 1,
-                                                                          step.number)
+            None if kept is None else rescaled(kept, step.residual_scale), salt + 1, step.number)
         gathered = hvd.allgather(pack_payload(server_payload[0], server_payload[1:]),
                                  process_set=bucket.process_set, name=bucket.name + ".allgather")
         pieces, offset = [], 0

@@ -74,6 +74,11 @@ class OneBitCompressor(StatefulCompressor):
         bits, scales = payloads
         return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype, plus=plus)
 
+    def recode_mean(self, payloads, bounds, plus=None, salt=0, step=0):
+        """encode_with_residual(decode_mean(payloads, bounds, plus=plus), bounds): the server's step of
+        ShardedTwoWay."""
+        return self.encode_with_residual(self.decode_mean(payloads, bounds, plus=plus), bounds)
+
     def subtract_mean(self, variable, payloads, bounds, offset=0):
         """variable -= elements [offset, offset + its size) of decode_mean(payloads, bounds), in place,
         in one pass over a float32 variable (the bits of that decode and assign_sub)."""

@@ -62,3 +62,10 @@ class QuantizeCompressor(StatefulCompressor):
         (+ plus, in the same pass)."""
         codes, scales, offsets = payloads
         return quantize_ops.block_quantize_decode_mean(codes, scales, offsets, bounds, self.bits, plus=plus)
+
+    def recode_mean(self, payloads, bounds, plus=None, salt=0, step=0):
+        """encode_with_residual(decode_mean(payloads, bounds, plus), bounds, salt, step), the same bits, in one
+        pass that never writes the mean (the server's step of ShardedTwoWay)."""
+        codes, scales, offsets, residual = quantize_ops.block_quantize_recode_mean(
+            *payloads, bounds, self.bits, plus, self.stochastic, stateless_seed(self.seed, salt, step))
+        return (codes, scales, offsets), residual

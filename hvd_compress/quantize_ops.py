@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from hvd_compress import ops
 
-QUANTIZE_OP_NAMES = ("BlockQuantizeCompress", "BlockQuantizeDecodeMean")
+QUANTIZE_OP_NAMES = ("BlockQuantizeCompress", "BlockQuantizeDecodeMean", "BlockQuantizeRecodeMean")
 QUANTIZE_BITS = (2, 4, 8)
 
 for _name in QUANTIZE_OP_NAMES:  # encodings, never gradients
@@ -83,7 +83,24 @@ def block_quantize_decode_mean(packed, scales, offsets, bounds, bits, plus=None)
     acc = 0; acc += offsets[r, b] + float(q_r) * scales[r, b] for r = 0..m-1 in order; acc / m.
     plus (float32 [n]): added to the mean in the same pass, as a separate float32 add would.
     """
-    bits = check_bits(bits)
+    return ops.library().block_quantize_decode_mean(*_payloads(packed, scales, offsets, bounds, plus),
+                                                    bits=check_bits(bits))
+
+
+def block_quantize_recode_mean(packed, scales, offsets, bounds, bits, plus=None, stochastic=False, seed=None):
+    """block_quantize_compress(block_quantize_decode_mean(packed, scales, offsets, bounds, bits, plus), bounds,
+    bits, stochastic, seed), the same bits, in one pass that never writes the mean: the server's step of a two-way
+    exchange, A = mean_i Q_i + e_s, D = Q(A), e_s = A - D. Returns (packed, scales, offsets, residual), the
+    residual in plus's buffer when nothing else holds it."""
+    return ops.library().block_quantize_recode_mean(*_payloads(packed, scales, offsets, bounds, plus),
+                                                    _seed(stochastic, seed), bits=check_bits(bits),
+                                                    stochastic=bool(stochastic))
+
+
+def _payloads(packed, scales, offsets, bounds, plus):
+    """The inputs (packed, scales, offsets, bounds, plus) of the ops that read stacked payloads, each payload
+    array [m, ...] (given stacked flat, as hvd.allgather returns them, or already [m, ...]) and plus [n] or
+    [0]."""
     bounds = tf.convert_to_tensor(bounds, tf.int64)
     scales = tf.convert_to_tensor(scales, tf.float32)
     offsets = tf.convert_to_tensor(offsets, tf.float32)
@@ -96,4 +113,4 @@ def block_quantize_decode_mean(packed, scales, offsets, bounds, bits, plus=None)
     if packed.shape.rank == 1:
         packed = tf.reshape(packed, tf.stack([tf.shape(scales, out_type=tf.int64)[0], -1]))
     plus = tf.zeros([0], tf.float32) if plus is None else tf.reshape(tf.convert_to_tensor(plus, tf.float32), [-1])
-    return ops.library().block_quantize_decode_mean(packed, scales, offsets, bounds, plus, bits=bits)
+    return packed, scales, offsets, bounds, plus

@@ -81,6 +81,28 @@ def test_decode_mean_matches_numpy_bit_exact(layout, bits, ranks, data_seed, plu
     assert_bits_equal(qops.block_quantize_decode_mean(*flat, bounds, bits, extra).numpy(), want)
 
 
+@SETTINGS
+@given(layout=LAYOUTS, bits=BITS, ranks=st.integers(1, 5), stochastic=st.booleans(), seed=SEEDS,
+       data_seed=st.integers(0, 2**16), plus=st.booleans())
+def test_recode_mean_is_compress_of_decode_mean_bit_exact(layout, bits, ranks, stochastic, seed, data_seed, plus):
+    """The server's fused step: NumPy's compress of NumPy's decoded mean (+ plus), bit for bit, for blocks inside
+    a chunk and blocks across the chunk grid; the residual in plus's buffer."""
+    sizes, block_size = layout
+    n = sum(sizes)
+    bounds = ops.layout_bounds(sizes, block_size)
+    payloads = [qops.block_quantize(sample(n, data_seed + r), bounds, bits, r % 2 == 1, (r, data_seed))
+                for r in range(ranks)]
+    packed, scales, offsets = (tf.stack([p[j] for p in payloads]) for j in range(3))
+    extra = sample(n, data_seed + 100) if plus else None
+    mean = ref.block_quantize_decode_mean(packed.numpy(), scales.numpy(), offsets.numpy(), bounds, bits, extra)
+    want = ref.block_quantize_compress(mean, bounds, bits, stochastic, seed)
+    flat = [tf.reshape(t, [-1]) for t in (packed, scales, offsets)]  # as hvd.allgather returns them
+    got = qops.block_quantize_recode_mean(*flat, bounds, bits, extra, stochastic, seed)
+    np.testing.assert_array_equal(got[0].numpy(), want[0])  # packed, padding bits included
+    for g, w in zip(got[1:], want[1:]):  # scales, offsets, residual
+        assert_bits_equal(g.numpy(), w)
+
+
 @pytest.mark.parametrize("ranks", [8, 16, 17])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_decode_mean_of_many_payloads_matches_numpy_bit_exact(bits, ranks):
@@ -224,6 +246,9 @@ def test_shapes_are_inferred_when_traced():
         y = qops.block_quantize_decode_mean(tf.stack([outputs[0]] * 3), tf.stack([outputs[1]] * 3),
                                             tf.stack([outputs[2]] * 3), bounds, 4)
         assert y.shape.as_list() == [37]
+        recoded = qops.block_quantize_recode_mean(*(tf.stack([o] * 3) for o in outputs[:3]), bounds, 4, x, True,
+                                                  (3, 4))
+        assert [o.shape.as_list() for o in recoded] == [[19], [5], [5], [37]]
         return y
 
     x = sample(37, 3)
@@ -254,6 +279,13 @@ def test_shapes_are_inferred_when_traced():
                                              plus=tf.ones([8])), tf.errors.InvalidArgumentError, "plus must have n=9"),
     (lambda: qops.block_quantize_decode_mean(tf.zeros([0, 5], tf.uint8), tf.ones([0, 1]), tf.ones([0, 1]), [0, 9], 4),
      tf.errors.InvalidArgumentError, "at least one payload"),
+    (lambda: qops.block_quantize_recode_mean(tf.zeros([1, 5], tf.uint8), tf.ones([1, 1]), tf.ones([1, 1]), [0, 9], 4,
+                                             stochastic=True), ValueError, "stochastic rounding needs a seed"),
+    (lambda: ops.library().block_quantize_recode_mean(tf.zeros([1, 5], tf.uint8), tf.ones([1, 1]), tf.ones([1, 1]),
+                                                      [0, 9], tf.zeros([0]), tf.zeros([1], tf.int64), bits=4),
+     tf.errors.InvalidArgumentError, r"seed must be an int64 vector"),
+    (lambda: qops.block_quantize_recode_mean(tf.zeros([1, 3], tf.uint8), tf.ones([1, 1]), tf.ones([1, 1]), [0, 9], 4),
+     tf.errors.InvalidArgumentError, r"payload does not match bounds: expected packed \[1, 5\]"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
@@ -271,13 +303,19 @@ def test_results_do_not_depend_on_thread_count(tmp_path):
         "bounds = ops.layout_bounds([100, x.size - 100], 7000)\n"
         "p, s, o, r = q.block_quantize_compress(x, bounds, 2, True, (1, 2))\n"
         "y = q.block_quantize_decode_mean(tf.stack([p, p]), tf.stack([s, s]), tf.stack([o, o]), bounds, 2, x)\n"
-        "np.savez(sys.argv[1], p=p.numpy(), r=r.numpy(), y=y.numpy())\n")
+        "z = q.block_quantize_recode_mean(tf.stack([p, p]), tf.stack([s, s]), tf.stack([o, o]), bounds, 2, x, True,\n"
+        "                                 (3, 4))\n"
+        "np.savez(sys.argv[1], p=p.numpy(), r=r.numpy(), y=y.numpy(), zp=z[0].numpy(), zr=z[3].numpy())\n")
     subprocess.run([sys.executable, str(script), str(tmp_path / "one.npz")], check=True, timeout=120)
     one_thread = np.load(tmp_path / "one.npz")
     x = np.random.default_rng(3).standard_normal(5 * K + 11).astype(np.float32)
     bounds = ops.layout_bounds([100, x.size - 100], 7000)
     p, s, o, r = qops.block_quantize_compress(x, bounds, 2, True, (1, 2))
     y = qops.block_quantize_decode_mean(tf.stack([p, p]), tf.stack([s, s]), tf.stack([o, o]), bounds, 2, x)
+    z = qops.block_quantize_recode_mean(tf.stack([p, p]), tf.stack([s, s]), tf.stack([o, o]), bounds, 2, x, True,
+                                        (3, 4))
+    np.testing.assert_array_equal(one_thread["zp"], z[0].numpy())
+    assert_bits_equal(one_thread["zr"], z[3].numpy())
     np.testing.assert_array_equal(one_thread["p"], p.numpy())
     assert_bits_equal(one_thread["r"], r.numpy())
     assert_bits_equal(one_thread["y"], y.numpy())

@@ -83,9 +83,12 @@ def test_local_steps_are_timed_over_whole_sync_periods(tmp_path):
     rows, output = run_wire(tmp_path, "--ranks=2", "--methods=diloco,sparseloco", "--steps=5", "--warmup=2",
                             "--idle_s=1", "--timeout=200")
     rows = {r["method"]: r for r in rows}
+    # SparseLoCo accounts 17 kB a step, about as much as Horovod's idle control traffic (+40%), whose estimate varies
+    # with the step and the negotiations of each collective: measured from 6 points below it to 13 above.
+    negotiation = {"diloco": 0.05, "sparseloco": 0.25}
     for method, r in rows.items():
         assert [len(p["step_times_ms"]) for p in r["per_rank"]] == [20, 20], method
-        assert -0.02 < r["wire_vs_accounted"] < r["control_vs_accounted_est"] + 0.05, (method, output)
+        assert -0.02 < r["wire_vs_accounted"] < r["control_vs_accounted_est"] + negotiation[method], (method, output)
     times = rows["diloco"]["per_rank"][0]["step_times_ms"]
     assert times[-1] > max(times[:-1]), times  # the sync of 16 MB: the last step of the period
     assert rows["diloco"]["accounted"] == pytest.approx(rows["diloco"]["fp32_allreduce"] / 20)

@@ -919,10 +919,57 @@ class BlockQuantizeDecodeMeanGpuOp : public OpKernel {
   int bits_;
 };
 
+// BlockQuantizeRecodeMean: the decoded mean (+ plus) into the residual's buffer, then coded there in place (the
+// compress launcher takes residual == x). Two launches, the same bits as the CPU's one pass.
+class BlockQuantizeRecodeMeanGpuOp : public OpKernel {
+ public:
+  explicit BlockQuantizeRecodeMeanGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, QuantizeBitsAttr(ctx, &bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& packed = ctx->input(0);
+    const Tensor& scales = ctx->input(1);
+    const Tensor& offsets = ctx->input(2);
+    const Tensor& bounds = ctx->input(3);
+    const Tensor& plus = ctx->input(4);
+    const Tensor& seed = ctx->input(5);
+    int64_t n, m, num_blocks;
+    OP_REQUIRES_OK(ctx, checks::QuantizePayloads(packed, scales, offsets, bounds, plus, bits_, &n, &m, &num_blocks));
+    OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
+                InvalidArgument("seed must be an int64 vector [key, counter], got shape ",
+                                seed.shape().DebugString()));
+    Tensor *recoded = nullptr, *recoded_scales = nullptr, *recoded_offsets = nullptr, *residual = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({QuantizePackedBytes(n, bits_)}), &recoded));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}), &recoded_scales));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_blocks}), &recoded_offsets));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &residual));
+    if (n == 0) return;
+    Tensor device_bounds, workspace;
+    OP_REQUIRES_OK(ctx, CopyToDevice(ctx, bounds, &device_bounds));
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_quantize_compress_workspace_bytes(num_blocks), &workspace));
+    HC_LAUNCH(ctx, hc_quantize_decode_mean, Ptr<const uint8_t>(packed), Ptr<const float>(scales),
+              Ptr<const float>(offsets), Ptr<const int64_t>(device_bounds), num_blocks, n, m, bits_,
+              plus.NumElements() > 0 ? Ptr<const float>(plus) : nullptr, Ptr<float>(*residual), StreamOf(ctx));
+    const auto key_counter = seed.flat<int64_t>();
+    HC_LAUNCH(ctx, hc_quantize_compress, Ptr<const float>(*residual), Ptr<const int64_t>(device_bounds), num_blocks,
+              n, bits_, stochastic_ ? 1 : 0, key_counter(0), key_counter(1), Ptr<uint8_t>(*recoded),
+              Ptr<float>(*recoded_scales), Ptr<float>(*recoded_offsets), Ptr<float>(*residual), workspace.data(),
+              StreamOf(ctx));
+  }
+
+ private:
+  int bits_;
+  bool stochastic_;
+};
+
 REGISTER_KERNEL_BUILDER(Name("BlockQuantizeCompress").Device(DEVICE_GPU).HostMemory("bounds").HostMemory("seed"),
                         BlockQuantizeCompressGpuOp);
 REGISTER_KERNEL_BUILDER(Name("BlockQuantizeDecodeMean").Device(DEVICE_GPU).HostMemory("bounds"),
                         BlockQuantizeDecodeMeanGpuOp);
+REGISTER_KERNEL_BUILDER(Name("BlockQuantizeRecodeMean").Device(DEVICE_GPU).HostMemory("bounds").HostMemory("seed"),
+                        BlockQuantizeRecodeMeanGpuOp);
 
 // ---------------------------------------------------------------------------
 // Stochastic Gradient Push's share (pushsum_ops.cc; CPU: pushsum_kernels.cc). The weight stays on the device.

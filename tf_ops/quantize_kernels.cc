@@ -379,6 +379,101 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
   for (; i < end; ++i) one(i);
 }
 
+// Codes the n values of `values` blockwise into packed, scales and offsets and their residual (values - decode),
+// the work of BlockQuantizeCompress and BlockQuantizeRecodeMean. prepare(b, begin, end) makes the values of the
+// piece [begin, end) of block b ready at values + begin before anything reads them (nothing for a plain x; the
+// decoded mean written into the residual buffer, which is then `values`, for a recode), so a local block is read
+// from memory once. residual may be values.
+template <typename Prepare>
+void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t num_blocks, int bits, bool stochastic,
+                uint64_t seed_base, Prepare prepare, const float* values, uint8_t* packed, float* scales,
+                float* offsets, float* residual) {
+  const auto code = stochastic ? CodePiece<true> : CodePiece<false>;
+  // The bits after the last element in its byte are 0.
+  auto zero_padding = [&] {
+    const int used = static_cast<int>((n * bits) & 7);
+    if (used) packed[(n * bits) >> 3] &= static_cast<uint8_t>((1u << used) - 1u);
+  };
+
+  // Block b meets chunks bounds[b] / kChunk ... (bounds[b + 1] - 1) / kChunk; piece p of a
+  // block is its intersection with its p-th chunk. A block inside one chunk is "local".
+  std::vector<int64_t> piece_offset(num_blocks + 1, 0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    piece_offset[b + 1] = piece_offset[b] + PiecesOfBlock(bounds[b], bounds[b + 1]);
+  }
+  const bool all_local = piece_offset[num_blocks] == num_blocks;
+  std::vector<QuantizeStats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);
+  std::vector<QuantizeParams> params(num_blocks);
+  auto local = [&](int64_t b) { return bounds[b] / kChunk == (bounds[b + 1] - 1) / kChunk; };
+  auto finish = [&](int64_t b, const QuantizeStats& s) {
+    params[b] = QuantizeFinish(s, bits);
+    scales[b] = params[b].scale;
+    offsets[b] = params[b].offset;
+  };
+
+  // Pass 1, chunk by chunk: a local block's statistics, then its coding while it is in cache;
+  // the statistics of the other blocks' pieces.
+  ParallelFor(ctx, NumChunks(n), kChunk * 12, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+        prepare(b, begin, end);
+        const QuantizeStats s = PieceStats(values + begin, end - begin);
+        if (local(b)) {
+          finish(b, s);
+          code(values, begin, end, params[b], bits, seed_base, packed, residual);
+        } else {
+          piece_stats[piece_offset[b] + c - bounds[b] / kChunk] = s;
+        }
+      });
+    }
+  });
+  if (all_local) return zero_padding();
+  // Pass 2 (tiny): the other blocks' parameters from their pieces.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (local(b)) continue;
+    QuantizeStats s = piece_stats[piece_offset[b]];
+    for (int64_t p = piece_offset[b] + 1; p < piece_offset[b + 1]; ++p) s = QuantizeMerge(s, piece_stats[p]);
+    finish(b, s);
+  }
+  // Pass 3: code the pieces of the blocks that cross the chunk grid.
+  ParallelFor(ctx, NumChunks(n), kChunk * 8, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
+        if (!local(b)) code(values, begin, end, params[b], bits, seed_base, packed, residual);
+      });
+    }
+  });
+  zero_padding();
+}
+
+absl::Status QuantizeSeed(const Tensor& seed_tensor, uint64_t* seed_base) {
+  if (seed_tensor.dims() != 1 || seed_tensor.NumElements() != 2) {
+    return InvalidArgument("seed must be an int64 vector [key, counter], got shape ",
+                           seed_tensor.shape().DebugString());
+  }
+  const auto seed = seed_tensor.flat<int64_t>();
+  *seed_base = QuantizeSeedBase(seed(0), seed(1));
+  return absl::OkStatus();
+}
+
+// The payload outputs 0-2 (packed, scales, offsets) of n elements in num_blocks blocks.
+absl::Status AllocatePayload(OpKernelContext* ctx, int64_t n, int64_t num_blocks, int bits, Tensor** packed,
+                             Tensor** scales, Tensor** offsets) {
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({QuantizePackedBytes(n, bits)}), packed));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({num_blocks}), scales));
+  return ctx->allocate_output(2, TensorShape({num_blocks}), offsets);
+}
+
+// The decoded mean of piece [begin, end) of block b into out (+ plus), for m payloads of bits-bit codes.
+void DecodeMeanOfPiece(int bits, const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets,
+                       const float* scales, int64_t num_blocks, int64_t b, int64_t begin, int64_t end,
+                       const float* plus, float* out) {
+  const auto decode = bits == 2 ? DecodeMeanPiece<2> : bits == 4 ? DecodeMeanPiece<4> : DecodeMeanPiece<8>;
+  decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, out);
+}
+
 }  // namespace
 
 // BlockQuantizeCompress (see quantize_ops.cc).
@@ -395,90 +490,75 @@ class BlockQuantizeCompressOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x_tensor = ctx->input(0);
     const Tensor& bounds_tensor = ctx->input(1);
-    const Tensor& seed_tensor = ctx->input(2);
     const int64_t n = x_tensor.NumElements();
     OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
-    OP_REQUIRES(ctx, seed_tensor.dims() == 1 && seed_tensor.NumElements() == 2,
-                InvalidArgument("seed must be an int64 vector [key, counter], got shape ",
-                                seed_tensor.shape().DebugString()));
+    uint64_t seed_base;
+    OP_REQUIRES_OK(ctx, QuantizeSeed(ctx->input(2), &seed_base));
     const int64_t num_blocks = bounds_tensor.NumElements() - 1;
-    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
-    const auto seed = seed_tensor.flat<int64_t>();
-    const uint64_t seed_base = QuantizeSeedBase(seed(0), seed(1));
-
-    Tensor *packed_tensor = nullptr, *scales_tensor = nullptr, *offsets_tensor = nullptr, *residual_tensor = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({QuantizePackedBytes(n, bits_)}), &packed_tensor));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}), &scales_tensor));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_blocks}), &offsets_tensor));
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x_tensor.shape(), &residual_tensor));
+    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr, *residual = nullptr;
+    OP_REQUIRES_OK(ctx, AllocatePayload(ctx, n, num_blocks, bits_, &packed, &scales, &offsets));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x_tensor.shape(), &residual));
     if (n == 0) return;
-    const float* x = x_tensor.flat<float>().data();
-    uint8_t* packed = packed_tensor->flat<uint8_t>().data();
-    float* scales = scales_tensor->flat<float>().data();
-    float* offsets = offsets_tensor->flat<float>().data();
-    float* residual = residual_tensor->flat<float>().data();  // may be x's buffer
-    const int bits = bits_;
-    const auto code = stochastic_ ? CodePiece<true> : CodePiece<false>;
-
-    // Block b meets chunks bounds[b] / kChunk ... (bounds[b + 1] - 1) / kChunk; piece p of a
-    // block is its intersection with its p-th chunk. A block inside one chunk is "local".
-    std::vector<int64_t> piece_offset(num_blocks + 1, 0);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      piece_offset[b + 1] = piece_offset[b] + PiecesOfBlock(bounds[b], bounds[b + 1]);
-    }
-    const bool all_local = piece_offset[num_blocks] == num_blocks;
-    std::vector<QuantizeStats> piece_stats(all_local ? 0 : piece_offset[num_blocks]);
-    std::vector<QuantizeParams> params(num_blocks);
-    auto local = [&](int64_t b) { return bounds[b] / kChunk == (bounds[b + 1] - 1) / kChunk; };
-    auto finish = [&](int64_t b, const QuantizeStats& s) {
-      params[b] = QuantizeFinish(s, bits);
-      scales[b] = params[b].scale;
-      offsets[b] = params[b].offset;
-    };
-
-    // Pass 1, chunk by chunk: a local block's statistics, then its coding while it is in cache;
-    // the statistics of the other blocks' pieces.
-    ParallelFor(ctx, NumChunks(n), kChunk * 12, [&](int64_t first, int64_t last) {
-      for (int64_t c = first; c < last; ++c) {
-        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-        ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-          const QuantizeStats s = PieceStats(x + begin, end - begin);
-          if (local(b)) {
-            finish(b, s);
-            code(x, begin, end, params[b], bits, seed_base, packed, residual);
-          } else {
-            piece_stats[piece_offset[b] + c - bounds[b] / kChunk] = s;
-          }
-        });
-      }
-    });
-    if (all_local) return ZeroPadding(n, packed);
-    // Pass 2 (tiny): the other blocks' parameters from their pieces.
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      if (local(b)) continue;
-      QuantizeStats s = piece_stats[piece_offset[b]];
-      for (int64_t p = piece_offset[b] + 1; p < piece_offset[b + 1]; ++p) s = QuantizeMerge(s, piece_stats[p]);
-      finish(b, s);
-    }
-    // Pass 3: code the pieces of the blocks that cross the chunk grid.
-    ParallelFor(ctx, NumChunks(n), kChunk * 8, [&](int64_t first, int64_t last) {
-      for (int64_t c = first; c < last; ++c) {
-        const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
-        ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-          if (!local(b)) code(x, begin, end, params[b], bits, seed_base, packed, residual);
-        });
-      }
-    });
-    ZeroPadding(n, packed);
+    CodeBlocks(ctx, n, bounds_tensor.flat<int64_t>().data(), num_blocks, bits_, stochastic_, seed_base,
+               [](int64_t, int64_t, int64_t) {}, x_tensor.flat<float>().data(), packed->flat<uint8_t>().data(),
+               scales->flat<float>().data(), offsets->flat<float>().data(),
+               residual->flat<float>().data());  // residual may be x's buffer
   }
 
  private:
-  // The bits after the last element in its byte are 0.
-  void ZeroPadding(int64_t n, uint8_t* packed) const {
-    const int used = static_cast<int>((n * bits_) & 7);
-    if (used) packed[(n * bits_) >> 3] &= static_cast<uint8_t>((1u << used) - 1u);
+  int bits_;
+  bool stochastic_;
+};
+
+// BlockQuantizeRecodeMean (see quantize_ops.cc): the decoded mean (+ plus) of each piece is written into the
+// residual buffer, coded from there while it is in cache and replaced by its residual.
+class BlockQuantizeRecodeMeanOp : public OpKernel {
+ public:
+  explicit BlockQuantizeRecodeMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int64_t bits;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits));
+    OP_REQUIRES_OK(ctx, CheckBits(bits));
+    bits_ = static_cast<int>(bits);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
   }
 
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& packed_tensor = ctx->input(0);
+    const Tensor& scales_tensor = ctx->input(1);
+    const Tensor& offsets_tensor = ctx->input(2);
+    const Tensor& bounds_tensor = ctx->input(3);
+    const Tensor& plus_tensor = ctx->input(4);
+    int64_t n, m, num_blocks;
+    OP_REQUIRES_OK(ctx, checks::QuantizePayloads(packed_tensor, scales_tensor, offsets_tensor, bounds_tensor,
+                                                 plus_tensor, bits_, &n, &m, &num_blocks));
+    uint64_t seed_base;
+    OP_REQUIRES_OK(ctx, QuantizeSeed(ctx->input(5), &seed_base));
+    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr, *residual = nullptr;
+    OP_REQUIRES_OK(ctx, AllocatePayload(ctx, n, num_blocks, bits_, &packed, &scales, &offsets));
+    const bool has_plus = plus_tensor.NumElements() > 0;
+    if (has_plus) {
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({4}, 3, TensorShape({n}), &residual));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &residual));
+    }
+    if (n == 0) return;
+    const uint8_t* in_packed = packed_tensor.flat<uint8_t>().data();
+    const float* in_scales = scales_tensor.flat<float>().data();
+    const float* in_offsets = offsets_tensor.flat<float>().data();
+    const float* plus = has_plus ? plus_tensor.flat<float>().data() : nullptr;  // may be residual's buffer
+    float* mean = residual->flat<float>().data();
+    const int bits = bits_;
+    const int64_t num_bytes = QuantizePackedBytes(n, bits);
+    CodeBlocks(
+        ctx, n, bounds_tensor.flat<int64_t>().data(), num_blocks, bits, stochastic_, seed_base,
+        [&](int64_t b, int64_t begin, int64_t end) {
+          DecodeMeanOfPiece(bits, in_packed, num_bytes, m, in_offsets, in_scales, num_blocks, b, begin, end, plus,
+                            mean);
+        },
+        mean, packed->flat<uint8_t>().data(), scales->flat<float>().data(), offsets->flat<float>().data(), mean);
+  }
+
+ private:
   int bits_;
   bool stochastic_;
 };
@@ -515,12 +595,11 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
     const float* offsets = offsets_tensor.flat<float>().data();
     float* y = y_tensor->flat<float>().data();
 
-    const auto decode = bits == 2 ? DecodeMeanPiece<2> : bits == 4 ? DecodeMeanPiece<4> : DecodeMeanPiece<8>;
     ParallelFor(ctx, NumChunks(n), kChunk * (2 + 2 * m), [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t chunk_lo = c * kChunk, chunk_hi = std::min(n, chunk_lo + kChunk);
         ForEachPieceInChunk(bounds, num_blocks, chunk_lo, chunk_hi, [&](int64_t b, int64_t begin, int64_t end) {
-          decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, y);
+          DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, y);
         });
       }
     });
@@ -532,5 +611,6 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("BlockQuantizeCompress").Device(DEVICE_CPU), BlockQuantizeCompressOp);
 REGISTER_KERNEL_BUILDER(Name("BlockQuantizeDecodeMean").Device(DEVICE_CPU), BlockQuantizeDecodeMeanOp);
+REGISTER_KERNEL_BUILDER(Name("BlockQuantizeRecodeMean").Device(DEVICE_CPU), BlockQuantizeRecodeMeanOp);
 
 }  // namespace hvd_compress

@@ -114,6 +114,28 @@ absl::Status DecodeMeanShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// packed [m, nbytes], scales and offsets [m, B], plus [n] or [0], seed [2]: a payload of n elements and its
+// residual [n].
+absl::Status RecodeMeanShape(InferenceContext* c) {
+  TF_RETURN_IF_ERROR(DecodeMeanShape(c));
+  const ShapeHandle mean = c->output(0);
+  ShapeHandle seed;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 1, &seed));
+  DimensionHandle unused, blocks, n_bits, n_bits_plus_7, num_bytes;
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(seed, 0), 2, &unused));
+  int64_t bits;
+  TF_RETURN_IF_ERROR(QuantizeBits(c, &bits));
+  TF_RETURN_IF_ERROR(QuantizeNumBlocks(c, 3, &blocks));
+  TF_RETURN_IF_ERROR(c->Multiply(c->Dim(mean, 0), bits, &n_bits));
+  TF_RETURN_IF_ERROR(c->Add(n_bits, 7, &n_bits_plus_7));
+  TF_RETURN_IF_ERROR(c->Divide(n_bits_plus_7, 8, /*evenly_divisible=*/false, &num_bytes));
+  c->set_output(0, c->Vector(num_bytes));
+  c->set_output(1, c->Vector(blocks));
+  c->set_output(2, c->Vector(blocks));
+  c->set_output(3, mean);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("BlockQuantizeCompress")
@@ -157,6 +179,28 @@ offsets float32[m, B], n = bounds[-1]. In float32, per element i of block b:
 acc = 0; for r = 0..m-1 in order: acc = acc + (offsets[r,b] + float(q_ri) * scales[r,b]);
 y[i] = acc / m, then y[i] + plus[i] when plus has n elements (an empty plus
 adds nothing). m = 1 is the plain decode.
+)doc");
+
+REGISTER_OP("BlockQuantizeRecodeMean")
+    .Input("packed: uint8")
+    .Input("scales: float")
+    .Input("offsets: float")
+    .Input("bounds: int64")
+    .Input("plus: float")
+    .Input("seed: int64")
+    .Output("recoded: uint8")
+    .Output("recoded_scales: float")
+    .Output("recoded_offsets: float")
+    .Output("residual: float")
+    .Attr("bits: int")
+    .Attr("stochastic: bool = false")
+    .SetShapeFn(RecodeMeanShape)
+    .Doc(R"doc(
+BlockQuantizeCompress(BlockQuantizeDecodeMean(packed, scales, offsets, bounds,
+plus), bounds, seed) in one pass, the same bits: the mean of m payloads (+ plus)
+coded again in the same blocks, with its residual (in plus's buffer when
+nothing else holds it), without writing the mean and reading it back. The
+server of a two-way exchange: A = mean_i Q_i + e_s; D = Q(A); e_s = A - D.
 )doc");
 
 }  // namespace hvd_compress
