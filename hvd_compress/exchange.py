@@ -171,10 +171,13 @@ class Exchange:
     #: True: the worker's momentum is zeroed where Exchanged.applied says the update was applied
     #: (sketched SGD's momentum masking)
     masks_momentum = False
+    #: True: a part may come as Unsummed(value, residual), error feedback's g + e left for the exchange's own
+    #: kernel to add on its way (the rule's `feed_apart`); False: every part is a tensor
+    adds_residual = False
 
     def __call__(self, parts, state, step):
-        """parts: one flat float32 tensor per variable of the bucket; state: {name: variable};
-        step: a StepInfo. Returns an Exchanged."""
+        """parts: one flat float32 tensor (or, where `adds_residual`, Unsummed) per variable of the bucket;
+        state: {name: variable}; step: a StepInfo. Returns an Exchanged."""
         raise NotImplementedError
 
     def residual(self, state):
@@ -183,9 +186,25 @@ class Exchange:
         return []
 
 
+class Unsummed(NamedTuple):
+    """A part a_i = value + residual of an exchange that `adds_residual`, not yet added: error feedback's g_i + e_i,
+    which a fused coder reads as two inputs instead of a pass that writes their sum."""
+    value: tf.Tensor
+    residual: tf.Tensor
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+
+def summed(parts):
+    """The parts as tensors, each Unsummed one added up."""
+    return [p.value + p.residual if isinstance(p, Unsummed) else p for p in parts]
+
+
 def concat(parts):
     """The bucket's flat vector."""
-    return tf.concat(parts, 0)
+    return tf.concat(summed(parts), 0)
 
 
 def split(flat, parts):
@@ -434,13 +453,16 @@ class ShardedTwoWay(Exchange):
     server feedback). The update stays encoded (an EncodedUpdate).
 
     The compressor is the code: `bits` per element, `floats_per_block` float32 values per block,
-    `block_size`, `server_feedback`, `encode_with_residual(flat, bounds, salt, step) -> ((codes,
-    *floats), residual)`, `decode_mean(payloads, bounds, plus=None)` and the server's step,
-    `recode_mean(payloads, bounds, plus, salt, step)`: encode_with_residual of decode_mean's result
-    (fused where the code has a kernel for it); `salt` tells the draws of
+    `block_size`, `server_feedback`, the worker's `encode_parts(parts, bounds, salt, step) -> ((codes,
+    *floats), residual per part)` (parts as the exchange gets them, Unsummed ones too: it `adds_residual`),
+    `decode_mean(payloads, bounds, plus=None)` and the server's `recode_mean(payloads, bounds, plus, salt,
+    step)`: the code and residual of decode_mean's result (each fused where the code has a kernel for it);
+    `salt` tells the draws of
     buckets, ranks, worker and server apart (2 (1024 bucket + rank), + 1 on the server), where the
     code draws at random.
     """
+
+    adds_residual = True
 
     def __init__(self, compressor, bucket):
         self.compressor, self.bucket = compressor, bucket
@@ -474,7 +496,7 @@ class ShardedTwoWay(Exchange):
         compressor, bucket = self.compressor, self.bucket
         bounds = tf.constant(self.bounds)
         salt = 2 * (bucket.index * 1024 + bucket.rank)  # the worker's draws; + 1: the server's
-        (codes, *floats), residual = compressor.encode_with_residual(concat(parts), bounds, salt, step.number)
+        (codes, *floats), residual = compressor.encode_parts(parts, bounds, salt, step.number)
         payloads = [pack_payload(codes[s["lo"] * compressor.bits // 8:][:s["num_bytes"]],
                                  [f[s["first"]:s["last"]] for f in floats]) for s in self.shards]
         received, _ = hvd.alltoall(tf.concat(payloads, 0), splits=[s["payload"] for s in self.shards],
@@ -491,7 +513,7 @@ class ShardedTwoWay(Exchange):
             pieces.append(self._split(gathered[offset:offset + s["payload"]], 1, s))
             offset += s["payload"]
         update = EncodedUpdate(compressor, tuple(tf.concat(arrays, 1) for arrays in zip(*pieces)), bounds)
-        return Exchanged(split(residual, parts), split(update, parts),
+        return Exchanged(residual, split(update, parts),
                          {"server_residual": server_residual} if kept is not None else {})
 
 

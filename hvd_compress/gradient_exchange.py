@@ -78,6 +78,13 @@ class Layout:
         return sum(self.sizes[i] for i in bucket)
 
 
+def flat(part, size):
+    """A fed part as a flat vector of `size` elements: a tensor, or an exchange.Unsummed of two."""
+    if isinstance(part, exchange.Unsummed):
+        return exchange.Unsummed(tf.reshape(part.value, [size]), tf.reshape(part.residual, [size]))
+    return tf.reshape(part, [size])
+
+
 def bucket_name(collective_name, b):
     """The name of bucket b's collectives."""
     return f"{collective_name}.bucket{b}"
@@ -461,13 +468,14 @@ class GradientExchange(tf.Module):
             if self.monitor is not None:
                 self.monitor.observe(grads)
             for bucket, ex, own in zip(self.layout.buckets, self.exchanges, self.exchange_state):
-                parts = [tf.reshape(tf.zeros(self.layout.shapes[i]) if i in absent else self.rule.feed(
-                    self.layout.slot[i], tf.cast(grads[i], tf.float32), info), [self.layout.sizes[i]])
+                feed = self.rule.feed_apart if ex.adds_residual else self.rule.feed
+                parts = [flat(tf.zeros(self.layout.shapes[i]) if i in absent else feed(
+                    self.layout.slot[i], tf.cast(grads[i], tf.float32), info), self.layout.sizes[i])
                     for i in bucket]  # (static sizes, whatever shape the gradient arrived with)
                 result = self._run(ex, own, bucket, parts, info)
                 updates = result.update
                 if not self._subtracts_encoded(bucket):
-                    updates = exchange.decoded(updates, [int(p.shape[0]) for p in parts])
+                    updates = exchange.decoded(updates, [self.layout.sizes[i] for i in bucket])
                     if self.op == hvd.Sum:
                         updates = [u * self.process_set.size() for u in updates]
                 residuals = result.residual if result.residual is not None else [None] * len(bucket)
@@ -502,7 +510,7 @@ class GradientExchange(tf.Module):
             self.rule.exchange_applied([self.layout.slot[i] for i in bucket], result.applied,
                                        [self.layout.sizes[i] for i in bucket])
         if self.recall_totals is not None and result.applied is not None:
-            self._record_recall(tf.concat(parts, 0), result.applied, ex)
+            self._record_recall(exchange.concat(parts), result.applied, ex)
         return result
 
     def measure_recall(self):

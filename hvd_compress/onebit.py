@@ -74,6 +74,12 @@ class OneBitCompressor(StatefulCompressor):
         bits, scales = payloads
         return ops.block_sign_unpack_mean(bits, scales, None, bounds=bounds, dtype=dtype, plus=plus)
 
+    def encode_parts(self, parts, bounds, salt=0, step=0):
+        """encode_with_residual of the bucket's parts concatenated (exchange.Unsummed ones added first), its
+        residual cut back into the parts: the worker's step of ShardedTwoWay."""
+        payload, residual = self.encode_with_residual(concat(parts), bounds)
+        return payload, split(residual, parts)
+
     def recode_mean(self, payloads, bounds, plus=None, salt=0, step=0):
         """encode_with_residual(decode_mean(payloads, bounds, plus=plus), bounds): the server's step of
         ShardedTwoWay."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from hvd_compress import quantize_ops
 from hvd_compress.compressor import ERROR_FEEDBACK, NO_FEEDBACK, StatefulCompressor, stateless_seed
-from hvd_compress.exchange import ShardedTwoWay
+from hvd_compress.exchange import ShardedTwoWay, Unsummed
 
 
 class QuantizeCompressor(StatefulCompressor):
@@ -50,12 +50,15 @@ class QuantizeCompressor(StatefulCompressor):
     def plan(self, bucket):
         return ShardedTwoWay(self, bucket)
 
-    def encode_with_residual(self, flat, bounds, salt=0, step=0):
-        """flat float32 [n] -> ((codes uint8, scales, offsets), flat - decode), in one pass; stochastic
+    def encode_parts(self, parts, bounds, salt=0, step=0):
+        """A bucket's flat float32 parts (exchange.Unsummed ones: g + e, added on the way) -> ((codes uint8,
+        scales, offsets), residual a - decode per part), in one pass over the parts where they lie; stochastic
         draws keyed by (seed, salt) and counted by step."""
-        codes, scales, offsets, residual = quantize_ops.block_quantize_compress(
-            flat, bounds, self.bits, self.stochastic, stateless_seed(self.seed, salt, step))
-        return (codes, scales, offsets), residual
+        apart = [p if isinstance(p, Unsummed) else Unsummed(p, None) for p in parts]
+        codes, scales, offsets, residuals = quantize_ops.block_quantize_compress(
+            [p.value for p in apart], bounds, self.bits, self.stochastic, stateless_seed(self.seed, salt, step),
+            plus=[p.residual for p in apart])
+        return (codes, scales, offsets), residuals
 
     def decode_mean(self, payloads, bounds, plus=None):
         """Mean of stacked payloads (codes [m, bytes], scales [m, B], offsets [m, B]) -> float32 [n]
@@ -64,8 +67,8 @@ class QuantizeCompressor(StatefulCompressor):
         return quantize_ops.block_quantize_decode_mean(codes, scales, offsets, bounds, self.bits, plus=plus)
 
     def recode_mean(self, payloads, bounds, plus=None, salt=0, step=0):
-        """encode_with_residual(decode_mean(payloads, bounds, plus), bounds, salt, step), the same bits, in one
-        pass that never writes the mean (the server's step of ShardedTwoWay)."""
+        """encode_parts([decode_mean(payloads, bounds, plus)], bounds, salt, step), the same bits, in one pass that
+        never writes the mean (the server's step of ShardedTwoWay)."""
         codes, scales, offsets, residual = quantize_ops.block_quantize_recode_mean(
             *payloads, bounds, self.bits, plus, self.stochastic, stateless_seed(self.seed, salt, step))
         return (codes, scales, offsets), residual

@@ -52,22 +52,34 @@ def _seed(stochastic, seed):
     return tf.reshape(tf.cast(seed, tf.int64), [2])
 
 
-def block_quantize_compress(x, bounds, bits, stochastic=False, seed=None):
+def block_quantize_compress(x, bounds, bits, stochastic=False, seed=None, plus=None):
     """Quantizes float32 x (flattened) blockwise and returns its error-feedback residual, in one op.
 
+    x: a tensor, or a list of the parts of one vector (a bucket's tensors, read where they lie, each starting at
+    one of the bounds); plus: None, or (for a list) one tensor or None per part, added to it on the way: the
+    vector coded is the concatenation of x_k + plus_k (error feedback's g + e, never written as such).
     bounds: int64 [B + 1] block boundaries [0, ..., n] (ops.block_bounds / ops.layout_bounds).
     bits: 2, 4 or 8. stochastic: unbiased stochastic rounding instead of rounding to nearest.
     seed: (key, counter) int64 pair (or tensor) of the stochastic draws; required when stochastic.
 
     Returns (packed uint8[ceil(n*bits/8)], scales float32[B], offsets float32[B], residual), the
-    residual x - decode(payload) with x's shape, in x's buffer when nothing else holds it.
+    residual x + plus - decode(payload) with x's shape (a list like x's for a list), in x's or plus's buffer when
+    nothing else holds it.
     """
-    x = tf.convert_to_tensor(x)
-    if x.dtype != tf.float32:
-        raise TypeError(f"block_quantize_compress quantizes float32 tensors, got {x.dtype.name}; cast x first.")
-    return ops.library().block_quantize_compress(
-        x, tf.convert_to_tensor(bounds, tf.int64), _seed(stochastic, seed), bits=check_bits(bits),
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    pluses = ([None] * len(parts) if plus is None else list(plus) if isinstance(x, (list, tuple)) else [plus])
+    parts = [tf.convert_to_tensor(p) for p in parts]
+    for part in parts:
+        if part.dtype != tf.float32:
+            raise TypeError(f"block_quantize_compress quantizes float32 tensors, got {part.dtype.name}; cast x first.")
+    if len(pluses) != len(parts):
+        raise ValueError(f"plus must have one tensor (or None) per part of x: {len(parts)} parts, {len(pluses)} "
+                         "pluses.")
+    pluses = [tf.zeros([0], tf.float32) if p is None else tf.convert_to_tensor(p, tf.float32) for p in pluses]
+    packed, scales, offsets, residuals = ops.library().block_quantize_compress(
+        parts, pluses, tf.convert_to_tensor(bounds, tf.int64), _seed(stochastic, seed), bits=check_bits(bits),
         stochastic=bool(stochastic))
+    return packed, scales, offsets, residuals if isinstance(x, (list, tuple)) else residuals[0]
 
 
 def block_quantize(x, bounds, bits, stochastic=False, seed=None):

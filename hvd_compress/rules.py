@@ -11,7 +11,9 @@ A rule (WorkerRule):
 - declares its state with scopes: `build(replicated)` creates replicated state once (optimizer variables: model
   files and broadcasts carry it), `plan(per_variable)` per-rank state for each world (in checkpoints only);
 - `begin(step, learning_rate, momentum, nesterov)`, once a step: the exchange.StepInfo the exchanges read;
-- `feed(slot, g, info)`: a_i, what this rank hands the exchange for one compressed variable;
+- `feed(slot, g, info)`: a_i, what this rank hands the exchange for one compressed variable; `feed_apart` the
+  same as exchange.Unsummed(g, e) where it is g + e, for an exchange that adds them in its own kernel
+  (`Exchange.adds_residual`);
 - `finish(slot, update, residual, info)`: keeps this rank's new residual and returns what the optimizer gets, the
   averaged gradient or, where `applies_step`, the delta it subtracts from the variable (the wrapped optimizer's own
   apply is then not run for that variable);
@@ -129,6 +131,11 @@ class WorkerRule:
         e = self.residual(slot, g)
         return g if e is None else g + e
 
+    def feed_apart(self, slot, g, info):
+        """feed's a_i for an exchange that `adds_residual`: a tensor, or exchange.Unsummed(x, e) for a_i = x + e
+        left to the exchange's kernel. Here a_i as feed makes it."""
+        return self.feed(slot, g, info)
+
     def finish(self, slot, update, residual, info):
         """Keeps the residual the exchange returned for this variable; returns the exchanged update."""
         kept = self.residuals[slot]
@@ -149,6 +156,11 @@ class ErrorFeedback(WorkerRule):
     momentum-in-front compressors under optimizers other than SGD and Adam (the momentum stays the optimizer's)."""
 
     feeds_back = True
+
+    def feed_apart(self, slot, g, info):
+        """g and e_i, unsummed."""
+        e = self.residual(slot, g)
+        return g if e is None else exchange.Unsummed(g, e)
 
     @classmethod
     def matches(cls, update_rule, optimizer, warmup_steps):

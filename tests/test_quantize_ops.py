@@ -66,6 +66,27 @@ def test_compress_matches_numpy_bit_exact(layout, bits, stochastic, seed, data_s
 
 
 @SETTINGS
+@given(layout=LAYOUTS, bits=BITS, stochastic=st.booleans(), seed=SEEDS, data_seed=st.integers(0, 2**16),
+       pluses=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_compress_of_parts_plus_residuals_matches_numpy_bit_exact(layout, bits, stochastic, seed, data_seed, pluses):
+    """The parts of a bucket where they lie, each with its error-feedback residual or none added on the way: the
+    code of their concatenated sum, bit for bit, and each part's residual."""
+    sizes, block_size = layout
+    bounds = ops.layout_bounds(sizes, block_size)
+    xs = [sample(size, data_seed + k) for k, size in enumerate(sizes)]
+    es = [sample(size, data_seed + 50 + k) if pluses[k] else None for k, size in enumerate(sizes)]
+    summed = np.concatenate([x if e is None else x + e for x, e in zip(xs, es)])
+    want = ref.block_quantize_compress(summed, bounds, bits, stochastic, seed)
+    got = qops.block_quantize_compress([tf.constant(x) for x in xs], bounds, bits, stochastic, seed,
+                                       plus=[None if e is None else tf.constant(e) for e in es])
+    np.testing.assert_array_equal(got[0].numpy(), want[0])
+    for g, w in zip(got[1:3], want[1:3]):
+        assert_bits_equal(g.numpy(), w)
+    assert [r.shape.as_list() for r in got[3]] == [[size] for size in sizes]
+    assert_bits_equal(np.concatenate([r.numpy() for r in got[3]]), want[3])
+
+
+@SETTINGS
 @given(layout=LAYOUTS, bits=BITS, ranks=st.integers(1, 5), data_seed=st.integers(0, 2**16), plus=st.booleans())
 def test_decode_mean_matches_numpy_bit_exact(layout, bits, ranks, data_seed, plus):
     sizes, block_size = layout
@@ -267,10 +288,18 @@ def test_shapes_are_inferred_when_traced():
     (lambda: qops.block_quantize_compress(tf.ones([4]), [0, 3], 4), tf.errors.InvalidArgumentError, "n=4"),
     (lambda: qops.block_quantize_compress(tf.ones([4]), [0, 2, 2, 4], 4), tf.errors.InvalidArgumentError,
      "strictly increasing"),
-    (lambda: ops.library().block_quantize_compress(tf.ones([4]), [0, 4], tf.zeros([3], tf.int64), bits=4),
+    (lambda: ops.library().block_quantize_compress([tf.ones([4])], [tf.zeros([0])], [0, 4], tf.zeros([3], tf.int64),
+                                                   bits=4),
      tf.errors.InvalidArgumentError, r"seed must be an int64 vector \[key, counter\], got shape \[3\]"),
-    (lambda: ops.library().block_quantize_compress(tf.ones([4]), [0, 4], tf.zeros([2], tf.int64), bits=3),
+    (lambda: ops.library().block_quantize_compress([tf.ones([4])], [tf.zeros([0])], [0, 4], tf.zeros([2], tf.int64),
+                                                   bits=3),
      tf.errors.InvalidArgumentError, "bits must be 2, 4 or 8, got 3"),
+    (lambda: qops.block_quantize_compress([tf.ones([4]), tf.ones([3])], [0, 7], 4), tf.errors.InvalidArgumentError,
+     "xs.1. starts at element 4, inside a block: every part must start at one of the bounds"),
+    (lambda: qops.block_quantize_compress([tf.ones([4]), tf.ones([3])], [0, 4, 7], 4, plus=[None, tf.ones([2])]),
+     tf.errors.InvalidArgumentError, r"pluses\[1\] must have the 3 elements of xs\[1\], or none"),
+    (lambda: qops.block_quantize_compress([tf.ones([4]), tf.ones([3])], [0, 4, 7], 4, plus=[None]), ValueError,
+     "plus must have one tensor .or None. per part of x: 2 parts, 1 pluses"),
     (lambda: qops.block_quantize_decode_mean(tf.zeros([1, 3], tf.uint8), tf.ones([1, 1]), tf.ones([1, 1]), [0, 9], 4),
      tf.errors.InvalidArgumentError, r"payload does not match bounds: expected packed \[1, 5\]"),
     (lambda: qops.block_quantize_decode_mean(tf.zeros([1, 5], tf.uint8), tf.ones([1, 2]), tf.ones([1, 2]), [0, 9], 4),

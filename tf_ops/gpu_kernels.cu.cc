@@ -853,6 +853,8 @@ absl::Status QuantizeBitsAttr(OpKernelConstruction* ctx, int* bits) {
   return absl::OkStatus();
 }
 
+// BlockQuantizeCompress: one part without a plus is coded where it lies; otherwise the parts' x_k + plus_k
+// (hc_error_feed) or x_k are gathered into one buffer, coded there in place and the residuals copied out.
 class BlockQuantizeCompressGpuOp : public OpKernel {
  public:
   explicit BlockQuantizeCompressGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -861,29 +863,70 @@ class BlockQuantizeCompressGpuOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& bounds = ctx->input(1);
-    const Tensor& seed = ctx->input(2);
-    const int64_t n = x.NumElements();
+    tensorflow::OpInputList xs, pluses;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pluses", &pluses));
+    const Tensor& bounds = ctx->input(2 * xs.size());
+    const Tensor& seed = ctx->input(2 * xs.size() + 1);
+    std::vector<int64_t> sizes;
+    for (int k = 0; k < xs.size(); ++k) sizes.push_back(xs[k].NumElements());
+    const PartIndex where(sizes);
+    const int64_t n = where.total();
     OP_REQUIRES_OK(ctx, ValidateBounds(bounds, n));
     OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
                 InvalidArgument("seed must be an int64 vector [key, counter], got shape ",
                                 seed.shape().DebugString()));
     const int64_t num_blocks = bounds.NumElements() - 1;
-    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr, *residual = nullptr;
+    const int64_t* host_bounds = bounds.flat<int64_t>().data();
+    bool any_plus = false;
+    for (int k = 0; k < xs.size(); ++k) {
+      OP_REQUIRES(ctx, pluses[k].NumElements() == sizes[k] || pluses[k].NumElements() == 0,
+                  InvalidArgument("pluses[", k, "] must have the ", sizes[k], " elements of xs[", k,
+                                  "], or none, got shape ", pluses[k].shape().DebugString()));
+      OP_REQUIRES(ctx, std::binary_search(host_bounds, host_bounds + num_blocks + 1, where.start(k)),
+                  InvalidArgument("xs[", k, "] starts at element ", where.start(k),
+                                  ", inside a block: every part must start at one of the bounds"));
+      any_plus = any_plus || pluses[k].NumElements() > 0;
+    }
+    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({QuantizePackedBytes(n, bits_)}), &packed));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_blocks}), &scales));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_blocks}), &offsets));
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x.shape(), &residual));
+    std::vector<Tensor*> residuals(xs.size());
+    for (int k = 0; k < xs.size(); ++k) {
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({k}, 3 + k, xs[k].shape(), &residuals[k]));
+    }
     if (n == 0) return;
+    const auto stream = StreamOf(ctx);
+    const bool in_place = xs.size() == 1 && !any_plus;
+    Tensor gathered;
+    if (!in_place) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({n}), &gathered));
+      for (int k = 0; k < xs.size(); ++k) {
+        float* to = Ptr<float>(gathered) + where.start(k);
+        if (pluses[k].NumElements() > 0) {
+          HC_LAUNCH(ctx, hc_error_feed, Ptr<const float>(xs[k]), Ptr<const float>(pluses[k]), sizes[k], to, stream);
+        } else if (sizes[k] > 0) {
+          HC_LAUNCH(ctx, CopyOnDevice, to, xs[k].data(), xs[k].TotalBytes(), stream);
+        }
+      }
+    }
+    const float* x = in_place ? Ptr<const float>(xs[0]) : Ptr<const float>(gathered);
+    float* residual = in_place ? Ptr<float>(*residuals[0]) : Ptr<float>(gathered);
     Tensor device_bounds, workspace;
     OP_REQUIRES_OK(ctx, CopyToDevice(ctx, bounds, &device_bounds));
     // 16-byte alignment, as the launcher needs: TensorFlow's allocators align to at least 64 bytes.
     OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_quantize_compress_workspace_bytes(num_blocks), &workspace));
     const auto key_counter = seed.flat<int64_t>();
-    HC_LAUNCH(ctx, hc_quantize_compress, Ptr<const float>(x), Ptr<const int64_t>(device_bounds), num_blocks, n,
-              bits_, stochastic_ ? 1 : 0, key_counter(0), key_counter(1), Ptr<uint8_t>(*packed),
-              Ptr<float>(*scales), Ptr<float>(*offsets), Ptr<float>(*residual), workspace.data(), StreamOf(ctx));
+    HC_LAUNCH(ctx, hc_quantize_compress, x, Ptr<const int64_t>(device_bounds), num_blocks, n, bits_,
+              stochastic_ ? 1 : 0, key_counter(0), key_counter(1), Ptr<uint8_t>(*packed), Ptr<float>(*scales),
+              Ptr<float>(*offsets), residual, workspace.data(), stream);
+    if (in_place) return;
+    for (int k = 0; k < xs.size(); ++k) {
+      if (sizes[k] == 0) continue;
+      HC_LAUNCH(ctx, CopyOnDevice, residuals[k]->data(), Ptr<const float>(gathered) + where.start(k),
+                residuals[k]->TotalBytes(), stream);
+    }
   }
 
  private:

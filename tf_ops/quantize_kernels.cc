@@ -230,10 +230,11 @@ __attribute__((target("avx512f,avx512bw"))) bool CodeTileDrawnAvx512(const float
 #pragma GCC diagnostic pop
 #endif
 
-// Codes elements [begin, end) of one block into packed and residual.
+// Codes elements [begin, end) of one block into packed and residual; x and residual point at element begin
+// (residual may be x).
 template <bool kStochastic>
-void CodePiece(const float* x, int64_t begin, int64_t end, const QuantizeParams& p, int bits, uint64_t seed_base,
-               uint8_t* packed, float* residual) {
+void CodePiece(const float* x, float* residual, int64_t begin, int64_t end, const QuantizeParams& p, int bits,
+               uint64_t seed_base, uint8_t* packed) {
   const float levels = QuantizeLevels(bits);
   alignas(32) uint8_t q[kTile];
   alignas(32) float add[kTile];
@@ -243,14 +244,14 @@ void CodePiece(const float* x, int64_t begin, int64_t end, const QuantizeParams&
     bool coded = false;
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
     if (kStochastic && kHasAvx512) {
-      coded = CodeTileDrawnAvx512(x + lo, seed_base, lo, len, p, levels, q, residual + lo);
+      coded = CodeTileDrawnAvx512(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
     } else if (kStochastic && kHasAvx2) {
-      coded = CodeTileDrawnAvx2(x + lo, seed_base, lo, len, p, levels, q, residual + lo);
+      coded = CodeTileDrawnAvx2(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
     }
 #endif
     if (!coded) {
       if (kStochastic) Uniforms(seed_base, lo, len, add);
-      CodeTile(x + lo, add, len, p, levels, q, residual + lo);
+      CodeTile(x + (lo - begin), add, len, p, levels, q, residual + (lo - begin));
     }
     PackCodes(q, lo, len, bits, packed);
   }
@@ -379,15 +380,15 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
   for (; i < end; ++i) one(i);
 }
 
-// Codes the n values of `values` blockwise into packed, scales and offsets and their residual (values - decode),
-// the work of BlockQuantizeCompress and BlockQuantizeRecodeMean. prepare(b, begin, end) makes the values of the
-// piece [begin, end) of block b ready at values + begin before anything reads them (nothing for a plain x; the
-// decoded mean written into the residual buffer, which is then `values`, for a recode), so a local block is read
-// from memory once. residual may be values.
-template <typename Prepare>
+// Codes n values blockwise into packed, scales and offsets and their residual (values - decode), the work of
+// BlockQuantizeCompress and BlockQuantizeRecodeMean. The values come from a source: source.prepare(b, begin, end)
+// makes those of the piece [begin, end) of block b ready before anything reads them (nothing for a plain x;
+// x + plus, or the decoded mean, written into the residual's buffer), source.values(begin) and
+// source.residual(begin) point at element begin of the values and of the residual (which may be the same), so a
+// local block is read from memory once.
+template <typename Source>
 void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t num_blocks, int bits, bool stochastic,
-                uint64_t seed_base, Prepare prepare, const float* values, uint8_t* packed, float* scales,
-                float* offsets, float* residual) {
+                uint64_t seed_base, const Source& source, uint8_t* packed, float* scales, float* offsets) {
   const auto code = stochastic ? CodePiece<true> : CodePiece<false>;
   // The bits after the last element in its byte are 0.
   auto zero_padding = [&] {
@@ -417,11 +418,11 @@ void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t 
     for (int64_t c = first; c < last; ++c) {
       const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
       ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-        prepare(b, begin, end);
-        const QuantizeStats s = PieceStats(values + begin, end - begin);
+        source.prepare(b, begin, end);
+        const QuantizeStats s = PieceStats(source.values(begin), end - begin);
         if (local(b)) {
           finish(b, s);
-          code(values, begin, end, params[b], bits, seed_base, packed, residual);
+          code(source.values(begin), source.residual(begin), begin, end, params[b], bits, seed_base, packed);
         } else {
           piece_stats[piece_offset[b] + c - bounds[b] / kChunk] = s;
         }
@@ -441,7 +442,9 @@ void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t 
     for (int64_t c = first; c < last; ++c) {
       const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
       ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-        if (!local(b)) code(values, begin, end, params[b], bits, seed_base, packed, residual);
+        if (!local(b)) {
+          code(source.values(begin), source.residual(begin), begin, end, params[b], bits, seed_base, packed);
+        }
       });
     }
   });
@@ -476,6 +479,32 @@ void DecodeMeanOfPiece(int bits, const uint8_t* packed, int64_t num_bytes, int64
 
 }  // namespace
 
+// The parts of BlockQuantizeCompress as one vector: part k's values are x_k, or x_k + plus_k written into its
+// residual's buffer by prepare (where plus_k has elements).
+struct PartsSource {
+  PartIndex where;
+  std::vector<const float*> xs, pluses;  // pluses[k]: nullptr where plus_k is empty
+  std::vector<float*> residuals;
+
+  void prepare(int64_t, int64_t begin, int64_t end) const {
+    const int64_t part = where.PartOf(begin), at = begin - where.start(part);
+    const float* plus = pluses[part];
+    if (plus == nullptr) return;
+    const float* x = xs[part] + at;
+    float* sum = residuals[part] + at;
+    plus += at;
+    for (int64_t i = 0; i < end - begin; ++i) sum[i] = x[i] + plus[i];  // may be in place (x's or plus's buffer)
+  }
+  const float* values(int64_t begin) const {
+    const int64_t part = where.PartOf(begin), at = begin - where.start(part);
+    return (pluses[part] == nullptr ? xs[part] : residuals[part]) + at;
+  }
+  float* residual(int64_t begin) const {
+    const int64_t part = where.PartOf(begin);
+    return residuals[part] + (begin - where.start(part));
+  }
+};
+
 // BlockQuantizeCompress (see quantize_ops.cc).
 class BlockQuantizeCompressOp : public OpKernel {
  public:
@@ -488,21 +517,42 @@ class BlockQuantizeCompressOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x_tensor = ctx->input(0);
-    const Tensor& bounds_tensor = ctx->input(1);
-    const int64_t n = x_tensor.NumElements();
+    tensorflow::OpInputList xs, pluses;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    OP_REQUIRES_OK(ctx, ctx->input_list("pluses", &pluses));
+    const Tensor& bounds_tensor = ctx->input(2 * xs.size());
+    std::vector<int64_t> sizes;
+    for (int k = 0; k < xs.size(); ++k) sizes.push_back(xs[k].NumElements());
+    PartsSource source{PartIndex(sizes), {}, {}, {}};
+    const int64_t n = source.where.total();
     OP_REQUIRES_OK(ctx, ValidateBounds(bounds_tensor, n));
-    uint64_t seed_base;
-    OP_REQUIRES_OK(ctx, QuantizeSeed(ctx->input(2), &seed_base));
+    const int64_t* bounds = bounds_tensor.flat<int64_t>().data();
     const int64_t num_blocks = bounds_tensor.NumElements() - 1;
-    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr, *residual = nullptr;
+    uint64_t seed_base;
+    OP_REQUIRES_OK(ctx, QuantizeSeed(ctx->input(2 * xs.size() + 1), &seed_base));
+    for (int k = 0; k < xs.size(); ++k) {
+      OP_REQUIRES(ctx, pluses[k].NumElements() == sizes[k] || pluses[k].NumElements() == 0,
+                  InvalidArgument("pluses[", k, "] must have the ", sizes[k], " elements of xs[", k,
+                                  "], or none, got shape ", pluses[k].shape().DebugString()));
+      OP_REQUIRES(ctx, std::binary_search(bounds, bounds + num_blocks + 1, source.where.start(k)),
+                  InvalidArgument("xs[", k, "] starts at element ", source.where.start(k),
+                                  ", inside a block: every part must start at one of the bounds"));
+    }
+    Tensor *packed = nullptr, *scales = nullptr, *offsets = nullptr;
     OP_REQUIRES_OK(ctx, AllocatePayload(ctx, n, num_blocks, bits_, &packed, &scales, &offsets));
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 3, x_tensor.shape(), &residual));
+    for (int k = 0; k < xs.size(); ++k) {
+      const bool has_plus = pluses[k].NumElements() > 0;
+      Tensor* residual = nullptr;
+      OP_REQUIRES_OK(ctx, has_plus ? ctx->forward_input_or_allocate_output({k, xs.size() + k}, 3 + k,
+                                                                            xs[k].shape(), &residual)
+                                   : ctx->forward_input_or_allocate_output({k}, 3 + k, xs[k].shape(), &residual));
+      source.xs.push_back(xs[k].flat<float>().data());
+      source.pluses.push_back(has_plus ? pluses[k].flat<float>().data() : nullptr);
+      source.residuals.push_back(residual->flat<float>().data());  // may be x_k's or plus_k's buffer
+    }
     if (n == 0) return;
-    CodeBlocks(ctx, n, bounds_tensor.flat<int64_t>().data(), num_blocks, bits_, stochastic_, seed_base,
-               [](int64_t, int64_t, int64_t) {}, x_tensor.flat<float>().data(), packed->flat<uint8_t>().data(),
-               scales->flat<float>().data(), offsets->flat<float>().data(),
-               residual->flat<float>().data());  // residual may be x's buffer
+    CodeBlocks(ctx, n, bounds, num_blocks, bits_, stochastic_, seed_base, source, packed->flat<uint8_t>().data(),
+               scales->flat<float>().data(), offsets->flat<float>().data());
   }
 
  private:
@@ -510,8 +560,7 @@ class BlockQuantizeCompressOp : public OpKernel {
   bool stochastic_;
 };
 
-// BlockQuantizeRecodeMean (see quantize_ops.cc): the decoded mean (+ plus) of each piece is written into the
-// residual buffer, coded from there while it is in cache and replaced by its residual.
+// BlockQuantizeRecodeMean (see quantize_ops.cc).
 class BlockQuantizeRecodeMeanOp : public OpKernel {
  public:
   explicit BlockQuantizeRecodeMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -546,16 +595,25 @@ class BlockQuantizeRecodeMeanOp : public OpKernel {
     const float* in_scales = scales_tensor.flat<float>().data();
     const float* in_offsets = offsets_tensor.flat<float>().data();
     const float* plus = has_plus ? plus_tensor.flat<float>().data() : nullptr;  // may be residual's buffer
-    float* mean = residual->flat<float>().data();
-    const int bits = bits_;
-    const int64_t num_bytes = QuantizePackedBytes(n, bits);
-    CodeBlocks(
-        ctx, n, bounds_tensor.flat<int64_t>().data(), num_blocks, bits, stochastic_, seed_base,
-        [&](int64_t b, int64_t begin, int64_t end) {
-          DecodeMeanOfPiece(bits, in_packed, num_bytes, m, in_offsets, in_scales, num_blocks, b, begin, end, plus,
-                            mean);
-        },
-        mean, packed->flat<uint8_t>().data(), scales->flat<float>().data(), offsets->flat<float>().data(), mean);
+    // The decoded mean (+ plus) of each piece into the residual's buffer, coded there.
+    struct MeanSource {
+      int bits;
+      const uint8_t* packed;
+      int64_t num_bytes, m;
+      const float *offsets, *scales;
+      int64_t num_blocks;
+      const float* plus;
+      float* mean;
+      void prepare(int64_t b, int64_t begin, int64_t end) const {
+        DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean);
+      }
+      const float* values(int64_t begin) const { return mean + begin; }
+      float* residual(int64_t begin) const { return mean + begin; }
+    };
+    const MeanSource source{bits_, in_packed, QuantizePackedBytes(n, bits_), m, in_offsets, in_scales, num_blocks,
+                            plus, residual->flat<float>().data()};
+    CodeBlocks(ctx, n, bounds_tensor.flat<int64_t>().data(), num_blocks, bits_, stochastic_, seed_base, source,
+               packed->flat<uint8_t>().data(), scales->flat<float>().data(), offsets->flat<float>().data());
   }
 
  private:

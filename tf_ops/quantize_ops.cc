@@ -73,23 +73,27 @@ DimensionHandle QuantizeNumElements(InferenceContext* c, int bounds_input) {
   return c->MakeDim(bounds->flat<int64_t>()(bounds->NumElements() - 1));
 }
 
-// packed [ceil(n * bits / 8)], scales and offsets [B], residual like x.
+// xs (N parts of n elements in all), pluses (N), bounds [B + 1], seed [2]: packed [ceil(n * bits / 8)], scales and
+// offsets [B], residuals like xs.
 absl::Status CompressShape(InferenceContext* c) {
-  int64_t bits;
+  int64_t bits, parts;
   TF_RETURN_IF_ERROR(QuantizeBits(c, &bits));
-  DimensionHandle blocks, n_bits, n_bits_plus_7, num_bytes;
-  TF_RETURN_IF_ERROR(QuantizeNumBlocks(c, 1, &blocks));
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &parts));
+  const int bounds_input = static_cast<int>(2 * parts);
+  DimensionHandle blocks, n = c->MakeDim(0), n_bits, n_bits_plus_7, num_bytes;
+  TF_RETURN_IF_ERROR(QuantizeNumBlocks(c, bounds_input, &blocks));
   ShapeHandle seed;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &seed));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(bounds_input + 1), 1, &seed));
   DimensionHandle unused;
   TF_RETURN_IF_ERROR(c->WithValue(c->Dim(seed, 0), 2, &unused));
-  TF_RETURN_IF_ERROR(c->Multiply(c->NumElements(c->input(0)), bits, &n_bits));
+  for (int k = 0; k < parts; ++k) TF_RETURN_IF_ERROR(c->Add(n, c->NumElements(c->input(k)), &n));
+  TF_RETURN_IF_ERROR(c->Multiply(n, bits, &n_bits));
   TF_RETURN_IF_ERROR(c->Add(n_bits, 7, &n_bits_plus_7));
   TF_RETURN_IF_ERROR(c->Divide(n_bits_plus_7, 8, /*evenly_divisible=*/false, &num_bytes));
   c->set_output(0, c->Vector(num_bytes));
   c->set_output(1, c->Vector(blocks));
   c->set_output(2, c->Vector(blocks));
-  c->set_output(3, c->input(0));
+  for (int k = 0; k < parts; ++k) c->set_output(3 + k, c->input(k));
   return absl::OkStatus();
 }
 
@@ -139,28 +143,33 @@ absl::Status RecodeMeanShape(InferenceContext* c) {
 }  // namespace
 
 REGISTER_OP("BlockQuantizeCompress")
-    .Input("x: float")
+    .Input("xs: N * float")
+    .Input("pluses: N * float")
     .Input("bounds: int64")
     .Input("seed: int64")
     .Output("packed: uint8")
     .Output("scales: float")
     .Output("offsets: float")
-    .Output("residual: float")
+    .Output("residuals: N * float")
+    .Attr("N: int >= 1")
     .Attr("bits: int")
     .Attr("stochastic: bool = false")
     .SetShapeFn(CompressShape)
     .Doc(R"doc(
-Blockwise bits-bit quantization of float32 x (flattened, n elements) and the
-error-feedback residual x - decode(packed) in the same pass (in x's buffer
-when nothing else holds it). Format: see tf_ops/quantize_ops.cc.
+Blockwise bits-bit quantization of x, the concatenation of the N parts
+x_k + plus_k (each flattened; an empty plus_k adds nothing: error feedback's
+g + e summed on the way), and the error-feedback residual x - decode(packed) in
+the same pass, one per part (in x_k's or plus_k's buffer when nothing else holds
+it). Format: see tf_ops/quantize_ops.cc.
 
-bounds: int64[B + 1], [0 = b_0 < ... < b_B = n].
+pluses: N float32 tensors, each with x_k's elements or none.
+bounds: int64[B + 1], [0 = b_0 < ... < b_B = n]; every part starts at a bound.
 seed: int64[2], (key, counter) of the stochastic draws (read only when
   stochastic; u_i depends on the seed and the element's index in x only).
 packed: uint8[ceil(n * bits / 8)], code i at bits [i*bits, (i+1)*bits), LSB first.
 scales: float32[B], (hi - lo) / L per block (NaN for a non-finite block).
 offsets: float32[B], lo per block (NaN for a non-finite block).
-residual: float32 like x, x - (offsets[b] + float(q_i) * scales[b]).
+residuals: N float32 tensors like xs, x - (offsets[b] + float(q_i) * scales[b]).
 )doc");
 
 REGISTER_OP("BlockQuantizeDecodeMean")

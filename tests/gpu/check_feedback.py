@@ -1,5 +1,6 @@
-"""MomentumErrorFeed's kernel (tf_ops/gpu/feedback_kernels.cu) against NumPy's float32 arithmetic, one rounding
-per operation (what -fmad=false keeps), bit for bit; in place (a in g's buffer) too."""
+"""MomentumErrorFeed's kernel and error feedback's a = g + e (tf_ops/gpu/feedback_kernels.cu) against NumPy's
+float32 arithmetic, one rounding per operation (what -fmad=false keeps), bit for bit; in place (a in g's buffer)
+too."""
 import numpy as np
 
 SIZES = [1, 1000, 100_003]
@@ -28,11 +29,18 @@ def check(run):
                 k.hc_momentum_error_feed(in_place, cp.asarray(m), cp.asarray(e), n, lr, mu, scale, int(nesterov),
                                          m_new, in_place, None)
                 run.expect("hc_momentum_error_feed", case + " a in g", in_place, want_a)
+        a = cp.empty(n, cp.float32)
+        k.hc_error_feed(cp.asarray(g), cp.asarray(e), n, a, None)
+        run.expect("hc_error_feed", f"n={n}", a, g + e)
+        in_place = cp.asarray(e)
+        k.hc_error_feed(cp.asarray(g), in_place, n, in_place, None)
+        run.expect("hc_error_feed", f"n={n} a in e", in_place, g + e)
 
 
 def bench(run, n):
     cp, k = run.cp, run.k
     g, m, e = (cp.asarray(run.rng.standard_normal(n).astype(np.float32)) for _ in range(3))
     m_new, a = cp.empty_like(g), cp.empty_like(g)
+    run.time("hc_error_feed", "", n, 12 * n, lambda: k.hc_error_feed(g, e, n, a, None))
     run.time("hc_momentum_error_feed", "nesterov", n, 20 * n,
              lambda: k.hc_momentum_error_feed(g, m, e, n, 0.1, 0.9, 1.0, 1, m_new, a, None))

@@ -40,7 +40,9 @@ int hc_sign_unpack_mean_bf16(const uint8_t* bits, const float* scales, const int
 int hc_sign_subtract_mean(const uint8_t* bits, const float* scales, const int64_t* bounds, int64_t num_blocks,
                           int64_t n, int64_t m, int64_t offset, int64_t size, float* variable, hc_stream stream);
 
-// ---- Momentum with error feedback (feedback_kernels.cu): MomentumErrorFeed. a may be g.
+// ---- Error feedback (feedback_kernels.cu): a[n] = g + e (a_i = g_i + e_i, one rounding; a may be g or e), and
+// MomentumErrorFeed (a may be g).
+int hc_error_feed(const float* g, const float* e, int64_t n, float* a, hc_stream stream);
 int hc_momentum_error_feed(const float* g, const float* m, const float* e, int64_t n, float lr, float momentum,
                            float residual_scale, int nesterov, float* m_new, float* a, hc_stream stream);
 
