@@ -137,9 +137,13 @@ def traffic(ranks):
         "pack with residual (block_sign_compress)": 1 + 1 / 32 + 1,  # x; the signs, the residual
         "quantize compress (8 bits, stochastic)": 1 + 1 / 4 + 1,  # x; the codes, the residual
         "quantize compress (4 bits, stochastic)": 1 + 1 / 8 + 1,
+        "quantize compress of x + e (8 bits, stochastic)": 2 + 1 / 4 + 1,  # x, e; the codes, the residual
+        "quantize compress of x + e (4 bits, stochastic)": 2 + 1 / 8 + 1,
         f"unpack_mean ({ranks} payloads)": ranks / 32 + 1,
         f"quantize decode_mean (8 bits, {ranks} payloads)": ranks / 4 + 1,
         f"quantize decode_mean (4 bits, {ranks} payloads)": ranks / 8 + 1,
+        f"quantize recode_mean (8 bits, {ranks} payloads + e)": ranks / 4 + 1 + 1 / 4 + 1,  # codes, e; codes, e
+        f"quantize recode_mean (4 bits, {ranks} payloads + e)": ranks / 8 + 1 + 1 / 8 + 1,
         "momentum_error_feed": 3 + 2,  # g, m, e; m, a
         "adam_momentum_feed": 4 + 1,  # g, m, v, e; a
         "adam_frozen_step": 2 + 2,  # the mean, v; m, delta
@@ -163,9 +167,10 @@ def parse_size(text):
     return int(text[:-1] if scale > 1 else text) * scale
 
 
-def quantize_cases(x, n):
-    """Compression.quantize's ops at 8 and 4 bits: stochastic coding with its residual in one op, and the
-    mean of --ranks payloads decoded in one pass; each beside stock TF ops doing the same."""
+def quantize_cases(x, n, e):
+    """Compression.quantize's ops at 8 and 4 bits: stochastic coding with its residual in one op, of x and of the
+    worker's x + e (error feedback added on the way), the mean of --ranks payloads decoded in one pass, and the
+    server's step (that mean + e coded again with its residual); each beside stock TF ops doing the same."""
     block = FLAGS.quantize_block
     bounds = ops.block_bounds(n, block)
     cases = {}
@@ -180,6 +185,15 @@ def quantize_cases(x, n):
             tf.function(lambda p, s, o, b=bits: quantize_ops.block_quantize_decode_mean(p, s, o, bounds, b)), *stacked)
         cases[f"{mean}, stock TF"] = (
             tf.function(lambda p, s, o, b=bits: stock_quantize_decode_mean(p, s, o, n, b, block)), *stacked)
+        fed = f"quantize compress of x + e ({bits} bits, stochastic)"
+        cases[fed] = (tf.function(
+            lambda t, b=bits: quantize_ops.block_quantize_compress([t], bounds, b, True, (1, 2), plus=[e])), x)
+        cases[f"{fed}, stock TF"] = (tf.function(lambda t, b=bits: stock_quantize_compress(t + e, b, block)), x)
+        recode = f"quantize recode_mean ({bits} bits, {FLAGS.ranks} payloads + e)"
+        cases[recode] = (tf.function(lambda p, s, o, b=bits: quantize_ops.block_quantize_recode_mean(
+            p, s, o, bounds, b, e, True, (1, 2))), *stacked)
+        cases[f"{recode}, stock TF"] = (tf.function(lambda p, s, o, b=bits: stock_quantize_compress(
+            stock_quantize_decode_mean(p, s, o, n, b, block) + e, b, block)), *stacked)
     return cases
 
 
@@ -218,7 +232,7 @@ def measure(n):
         "pack with residual (block_sign_compress)": (
             tf.function(lambda t: ops.block_sign_compress(t, bounds=bounds)), x),
         "pack with residual, as pack + unpack + sub": (tf.function(lambda t: stock_compress(t, bounds)), x),
-        **quantize_cases(x, n),
+        **quantize_cases(x, n, e),
         # dist-EF-SGD's worker step (Nesterov) in one pass, against the six TensorFlow ops it replaces.
         "momentum_error_feed": (tf.function(lambda g: ops.momentum_error_feed(g, m, e, 0.1, 0.9, True)), x),
         "momentum_error_feed, stock TF": (tf.function(lambda g: stock_momentum_error_feed(g, m, e)), x),
