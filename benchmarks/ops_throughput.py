@@ -255,6 +255,13 @@ def measure(n):
         shape = f"{rows} x n/{round(n / c)}"
         cases[f"count_sketch ({shape})"] = (tf.function(lambda t, r=rows, c=c: ops.count_sketch(t, r, c)), x)
         cases[f"count_sketch_query ({shape})"] = (tf.function(lambda s: ops.count_sketch_query(s, n)), sketches[rows])
+    # Sketched SGD's candidates at ratio 4 (n/8 of n) with this worker's values there: the one-row selection over
+    # cells, and what it replaced.
+    candidates = Compression.sketch(ratio=4).sizes(n)[3]
+    cases["count_sketch_top_k (1 x n/8, n/8 of n)"] = (
+        tf.function(lambda s, t: ops.count_sketch_top_k(s, t, candidates)), sketches[1], x)
+    cases["count_sketch_top_k, as query + top_k_abs + gather"] = (tf.function(
+        lambda s, t: tf.gather(t, ops.top_k_abs(ops.count_sketch_query(s, n), candidates)[1])), sketches[1], x)
     return {name: n * 4 / median_seconds(fn, *args) / 1e9 for name, (fn, *args) in cases.items()}
 
 

@@ -119,7 +119,8 @@ class EncodedUpdate(NamedTuple):
     assign_sub take four streams); everything else gets decode().
 
     compressor: what decodes them (decode_mean, subtract_mean); payloads: the stacked payloads whose
-    mean is the update, as compressor.decode_mean takes them; bounds: the bucket's block bounds."""
+    mean is the update, as compressor.decode_mean takes them; bounds: the bucket's block bounds (for
+    SparseMean, its number of elements)."""
     compressor: object
     payloads: tuple
     bounds: tf.Tensor
@@ -130,6 +131,23 @@ class EncodedUpdate(NamedTuple):
     def parts(self, sizes):
         """One EncodedPart per variable of these sizes, in the bucket's order."""
         return [EncodedPart(self, int(offset)) for offset in np.cumsum([0, *sizes[:-1]])]
+
+
+class SparseMean(NamedTuple):
+    """The decoder of a sparse mean update (an EncodedUpdate's `compressor`): payloads (indices,
+    values), the sums of `count` ranks at increasing, distinct int32 indices of a bucket of `bounds`
+    elements. Subtracted from a variable it writes only the indices in the variable's range
+    (ops.subtract_sparse_mean), where a decoded mean costs a dense pass to write and one more to
+    subtract."""
+    count: int
+
+    def decode_mean(self, payloads, size):
+        indices, values = payloads
+        return ops.scatter_mean(indices, values, [(size,)], self.count)[0]
+
+    def subtract_mean(self, variable, payloads, size, offset):
+        indices, values = payloads
+        return ops.subtract_sparse_mean(variable, indices, values, offset, self.count)
 
 
 class EncodedPart(NamedTuple):

@@ -276,6 +276,14 @@ def scatter_mean(indices, values, shapes, count):
     return [tf.reshape(y, s) for y, s in zip(flat, shapes)]
 
 
+def subtract_sparse_mean(variable, indices, values, offset, count):
+    """variable -= its part of a bucket's sparse mean, in place: for each int32 index i of the bucket in
+    [offset, offset + the variable's size) (the indices increasing, each once), variable[i - offset] -=
+    values / count; the bits of ScatterMean's mean subtracted from the whole variable."""
+    return library().resource_subtract_sparse_mean(variable.handle, indices, values, tf.cast(offset, tf.int64),
+                                                   count=int(count))
+
+
 def scatter_dense(indices, values, n):
     """Dense vector of length n with values summed at indices (duplicates add up)."""
     return library().scatter_dense(indices, values, tf.cast(n, tf.int64))
@@ -333,7 +341,7 @@ def count_sketch(x, rows, cols, seed=0, step=0):
     Hashes and signs come from (seed, step, j, i) alone (tf_ops/sketch_hash.h),
     so every rank with the same seed and step builds compatible, summable
     sketches; seed and step may be tensors (a new hash family every step).
-    A row wider than 65536 columns is cut into regions of at most that many, and
+    A row wider than 4096 columns (16 KB, in a core's L1 cache) is cut into regions of at most that many, and
     the coordinates into as many equal segments, each hashed into its own region
     (so the sketch is built one cache-sized region at a time).
     """
@@ -348,6 +356,17 @@ def count_sketch_query(sketch, n, seed=0, step=0):
     """Median-of-rows estimate of every coordinate i < n from a sketch, float32[n]."""
     return library().count_sketch_query(sketch, tf.cast(n, tf.int64), tf.cast(seed, tf.int64),
                                         tf.cast(step, tf.int64))
+
+
+def count_sketch_top_k(sketch, x, k, seed=0, step=0):
+    """top_k_abs(count_sketch_query(sketch, n), k) of a one-row sketch, with x (float32, flattened; n its
+    size) at the selected coordinates: (values of x, int32 indices) in increasing index order, without
+    the n estimates (sketched SGD's candidates and the values its second round sums)."""
+    if sketch.shape.rank != 2 or sketch.shape[0] != 1:
+        raise ValueError(f"count_sketch_top_k takes a one-row sketch [1, cols], got shape {sketch.shape}; "
+                         "for more rows use top_k_abs(count_sketch_query(sketch, n), k).")
+    return library().count_sketch_top_k(sketch, tf.reshape(x, [-1]), tf.cast(k, tf.int32),
+                                        tf.cast(seed, tf.int64), tf.cast(step, tf.int64))
 
 
 def count_sketch_buckets(indices, n, rows, cols, seed=0, step=0):

@@ -49,7 +49,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from hvd_compress import ops
 from hvd_compress.compressor import EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, StatefulCompressor, seed_key
-from hvd_compress.exchange import Exchange, Exchanged, allreduce_bytes, concat
+from hvd_compress.exchange import EncodedUpdate, Exchange, Exchanged, SparseMean, allreduce_bytes, concat, split
 from hvd_compress.state import REPLICATED, StateSpec
 
 #: Sizes from a ratio (docs/algorithms.md, "Sketched SGD": measured on digits residuals).
@@ -183,6 +183,16 @@ class SketchCompressor(StatefulCompressor):
     def estimate(self, sketch, num_elements, salt=0, step=0):
         return ops.count_sketch_query(sketch, num_elements, self.hash_seed(salt), step)
 
+    def heaviest(self, sketch, flat, count, salt=0, step=0):
+        """The `count` coordinates of largest |estimate| from the summed sketch, and this worker's flat
+        vector there: (values, int32 indices in increasing order). One row: count_sketch_top_k (the
+        estimate's magnitude is its cell's; no estimate of every coordinate is written); more: the
+        median estimates, then their top-k."""
+        if self.rows == 1:
+            return ops.count_sketch_top_k(sketch, flat, count, self.hash_seed(salt), step)
+        _, indices = ops.top_k_abs(self.estimate(sketch, flat.shape.num_elements(), salt, step), count)
+        return tf.gather(flat, indices), indices
+
     def buckets(self, indices, num_elements, rows, cols, salt=0, step=0):
         return ops.count_sketch_buckets(indices, num_elements, rows, cols, self.hash_seed(salt), step)
 
@@ -207,21 +217,21 @@ class SketchAllreduce(Exchange):
         process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
         summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt, step.number), op=hvd.Sum,
                                process_set=process_set, name=name + ".sketch")
-        estimate = self.compressor.estimate(summed, self.n, salt, step.number)
         if self.compressor.second_round:
-            _, candidates = ops.top_k_abs(estimate, self.num_candidates)
-            values = hvd.allreduce(tf.gather(flat, candidates), op=hvd.Sum, process_set=process_set,
-                                   name=name + ".values")
+            local, candidates = self.compressor.heaviest(summed, flat, self.num_candidates, salt, step.number)
+            values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
             applied = candidates
             if not self.compressor.apply_candidates:
                 values, chosen = ops.top_k_abs(values, self.k)
                 applied = tf.gather(candidates, chosen)
         else:
+            estimate = self.compressor.estimate(summed, self.n, salt, step.number)
             _, applied = ops.top_k_abs(estimate, self.k)
             values = tf.gather(estimate, applied)
-        # e = a, zeroed where applied, in place; the mean of the applied sums goes straight into each part.
-        return Exchanged(ops.zero_at(parts, applied),
-                         ops.scatter_mean(applied, values, [p.shape for p in parts], self.bucket.size), applied=applied)
+        # e = a, zeroed where applied, in place; the mean of the applied sums stays sparse (subtracted from the
+        # variables where they are, or decoded into each part).
+        mean = EncodedUpdate(SparseMean(self.bucket.size), (applied, values), self.n)
+        return Exchanged(ops.zero_at(parts, applied), split(mean, parts), applied=applied)
 
 
 class SketchSpaceAllreduce(Exchange):
@@ -254,5 +264,5 @@ class SketchSpaceAllreduce(Exchange):
         rows = tf.repeat(tf.range(self.rows, dtype=tf.int64), self.k)
         keep = tf.tensor_scatter_nd_update(tf.ones([self.rows, self.cols]),
                                            tf.stack([rows, tf.reshape(cells, [-1])], 1), tf.zeros([self.rows * self.k]))
-        return Exchanged(None, ops.scatter_mean(applied, values, [p.shape for p in parts], 1),
+        return Exchanged(None, split(EncodedUpdate(SparseMean(1), (applied, values), self.n), parts),
                          {"sketch_momentum": momentum * keep, "sketch_error": error * keep})

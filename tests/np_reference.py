@@ -286,7 +286,7 @@ def _mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-REGION_COLS = 1 << 16  # kRegionCols in tf_ops/sketch_hash.h
+REGION_COLS = 1 << 12  # kRegionCols in tf_ops/sketch_hash.h
 
 
 def sketch_hash(seed, row, n, cols, step=0):

@@ -627,6 +627,36 @@ def test_decay_and_subtract_is_kerass_weight_decay_and_assign_sub_in_place(decay
         ops.decay_and_subtract(tf.Variable(tf.zeros([3])), tf.zeros([2]), decay)
 
 
+@settings(deadline=None, max_examples=30)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=4), share=st.floats(0, 1), count=st.integers(1, 5),
+       seed=st.integers(0, 2**32 - 1))
+def test_subtract_sparse_mean_is_scatter_mean_subtracted_from_each_part(sizes, share, count, seed):
+    """A bucket's sparse mean (distinct, increasing indices over its parts) subtracted from each part's variable in
+    place: the bits of ScatterMean's dense mean subtracted from the whole variable, the variable's buffer copied
+    first where a read still holds it."""
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    indices = np.sort(rng.choice(n, int(share * n), replace=False)).astype(np.int32)
+    values = rng.standard_normal(indices.size).astype(np.float32)
+    dense = ops.scatter_mean(indices, values, [(size,) for size in sizes], count)
+    offset = 0
+    for size, mean in zip(sizes, dense):
+        x0 = rng.standard_normal(size).astype(np.float32)
+        x = tf.Variable(x0)
+        held = tf.convert_to_tensor(x)
+        ops.subtract_sparse_mean(x, indices, values, offset, count)
+        np.testing.assert_array_equal(x.numpy(), x0 - mean.numpy())
+        np.testing.assert_array_equal(held.numpy(), x0)
+        offset += size
+
+
+def test_subtract_sparse_mean_refuses_indices_out_of_order():
+    x = tf.Variable(tf.zeros([5]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="indices must increase"):
+        ops.subtract_sparse_mean(x, np.array([1, 3, 3], np.int32), np.ones(3, np.float32), 0, 2)
+    np.testing.assert_array_equal(x.numpy(), np.zeros(5))  # refused before any write
+
+
 def tf_share(values, w, parts, before=None):
     """The TensorFlow ops that PushSumShare replaces (hvd_compress/gossip.py's share before it)."""
     flat = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values]

@@ -1,4 +1,8 @@
 """Count-sketch ops against the NumPy reference (same hashes), linearity, heavy hitters."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,7 +25,7 @@ def test_sketch_and_query_match_numpy_bit_exact(n, rows, cols, seed, dtype):
 
 
 def test_large_inputs_match_numpy_bit_exact():
-    """More than one segment of the kernel (1M values) and several column blocks (64K columns),
+    """More than one segment of the kernel (1M values) and several column regions (4096 columns),
     in float32 and float16: the partitioned, multi-threaded sums keep NumPy's order."""
     x = np.random.default_rng(5).standard_normal(2_500_003).astype(np.float32)
     for dtype in (tf.float32, tf.float16):
@@ -126,3 +130,67 @@ def test_buckets_are_the_cells_the_sketch_adds_to(n, rows, cols, seed, step, dat
 def test_buckets_of_coordinates_outside_the_vector_are_refused(index):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices must be in \[0, n = 10\)"):
         ops.count_sketch_buckets(np.array([3, index], np.int64), 10, 2, 10)
+
+
+def reference_top_k(sketch, x, k, seed, step):
+    """count_sketch_top_k's definition: top_k_abs of the query's estimates, and x there."""
+    _, indices = ref.top_k_abs(ref.count_sketch_query(sketch, x.size, seed, step), k)
+    return x[indices], indices
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 30_000), cols=st.integers(1, 13_000), seed=st.integers(0, 2**40), step=st.integers(0, 50),
+       share=st.floats(0, 1), ties=st.booleans(), data=st.data())
+def test_top_k_of_a_one_row_sketch_is_top_k_abs_of_its_query(n, cols, seed, step, share, ties, data):
+    """The candidates of sketched SGD: one row (regions of 4096 columns from 4097 on), any k, and sketches whose
+    cells tie (integer-valued x) or hold NaN, infinities and signed zeros: the same indices as top_k_abs of the
+    estimates (ties to the lower index) and x's values at them."""
+    rng = np.random.default_rng(seed % 2**32)
+    x = (rng.integers(-3, 4, n) if ties else rng.standard_normal(n)).astype(np.float32)
+    sketch = ref.count_sketch(x, 1, cols, seed, step)
+    if data.draw(st.booleans()):
+        cells = rng.integers(0, cols, 4)
+        sketch[0, cells] = np.array([np.nan, np.inf, -np.inf, -0.0], np.float32)
+    k = int(round(share * n))
+    values, indices = ops.count_sketch_top_k(tf.constant(sketch), x, k, seed, step)
+    want_values, want_indices = reference_top_k(sketch, x, k, seed, step)
+    np.testing.assert_array_equal(indices.numpy(), want_indices)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+
+
+def test_top_k_of_a_large_sketch_is_top_k_abs_of_its_query():
+    """Compression.sketch(ratio=4)'s shape at 2.5M coordinates (n / 8 columns, n / 8 candidates): hundreds of regions,
+    several threads."""
+    x = np.random.default_rng(3).standard_normal(2_500_003).astype(np.float32)
+    sketch = ops.count_sketch(x, 1, x.size // 8, seed=7, step=3)
+    values, indices = ops.count_sketch_top_k(sketch, x, x.size // 8, 7, 3)
+    want_values, want_indices = reference_top_k(sketch.numpy(), x, x.size // 8, 7, 3)
+    np.testing.assert_array_equal(indices.numpy(), want_indices)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+
+
+def test_top_k_of_a_sketch_refuses_more_rows_and_a_k_beyond_the_vector():
+    with pytest.raises(ValueError, match="one-row sketch"):
+        ops.count_sketch_top_k(tf.zeros([2, 10]), tf.zeros([20]), 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="k must be in"):
+        ops.count_sketch_top_k(tf.zeros([1, 10]), tf.zeros([20]), 21)
+
+
+@pytest.mark.skipif("avx512dq" not in open("/proc/cpuinfo").read(), reason="the CPU has no AVX-512: one hash only")
+def test_the_avx512_and_avx2_hashes_give_the_same_sketch(tmp_path):
+    """Where the CPU has AVX-512, the hash runs 8 coordinates at a time; HVD_COMPRESS_AVX512=0 keeps the AVX2 one."""
+    script = tmp_path / "avx2.py"
+    script.write_text(
+        "import sys, numpy as np\n"
+        "from hvd_compress import ops\n"
+        "x = np.random.default_rng(4).standard_normal(300_007).astype(np.float32)\n"
+        "s = ops.count_sketch(x, 2, 20_011, 9, 2)\n"
+        "np.savez(sys.argv[1], s=s.numpy(), q=ops.count_sketch_query(s, x.size, 9, 2).numpy())\n")
+    env = {**os.environ, "HVD_COMPRESS_AVX512": "0"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "avx2.npz")], check=True, timeout=120, env=env)
+    avx2 = np.load(tmp_path / "avx2.npz")
+    x = np.random.default_rng(4).standard_normal(300_007).astype(np.float32)
+    sketch = ops.count_sketch(x, 2, 20_011, 9, 2)
+    np.testing.assert_array_equal(sketch.numpy(), ref.count_sketch(x, 2, 20_011, 9, 2))
+    np.testing.assert_array_equal(avx2["s"], sketch.numpy())
+    np.testing.assert_array_equal(avx2["q"], ops.count_sketch_query(sketch, x.size, 9, 2).numpy())

@@ -111,9 +111,7 @@ class ResourceDecayAndSubtractOp : public OpKernel {
     OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
     tensorflow::mutex_lock lock(*var->mu());
     Tensor* v = var->tensor();
-    OP_REQUIRES(ctx, v->IsInitialized() && v->dtype() == tensorflow::DT_FLOAT,
-                InvalidArgument("variable must be an initialized float32 variable, got ",
-                                tensorflow::DataTypeString(v->dtype())));
+    OP_REQUIRES_OK(ctx, checks::FloatVariable(*v));
     OP_REQUIRES(ctx, delta.NumElements() == v->NumElements(),
                 InvalidArgument("delta has ", delta.NumElements(), " elements and the variable ", v->NumElements()));
     const int64_t size = v->NumElements();

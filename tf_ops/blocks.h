@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cores.h"
@@ -36,6 +38,30 @@ inline void ParallelFor(OpKernelContext* ctx, int64_t total,
   const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
   tensorflow::Shard(workers.num_threads, workers.workers, total, cost_per_unit,
                     [&work](int64_t begin, int64_t end) { work(begin, end); });
+}
+
+#if defined(__x86_64__)
+// Whether the kernels' AVX-512 paths run: the CPU has AVX-512 F, BW, DQ and VL, and HVD_COMPRESS_AVX512=0 in the
+// environment does not keep the AVX2 ones (the tests compare the two; both give the same bits).
+inline bool UseAvx512() {
+  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && [] {
+                            const char* setting = std::getenv("HVD_COMPRESS_AVX512");
+                            return setting == nullptr || std::strcmp(setting, "0") != 0;
+                          }();
+  return use;
+}
+#endif
+
+// The radix selects' step (TopKAbs, CountSketchTopK): the bin holding the `rank`-th largest element
+// (1-based) given the counts per bin; returns it and sets *above to the count in higher bins.
+inline int64_t BinOfRank(const std::vector<int64_t>& counts, int64_t rank, int64_t* above) {
+  *above = 0;
+  for (int64_t bin = static_cast<int64_t>(counts.size()) - 1; bin >= 0; --bin) {
+    if (*above + counts[bin] >= rank) return bin;
+    *above += counts[bin];
+  }
+  return 0;  // unreachable when rank <= total count
 }
 
 // Before an in-place update of a float32 variable whose lock the caller holds: gives it a buffer of its own where a

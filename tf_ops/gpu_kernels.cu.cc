@@ -454,9 +454,7 @@ class ResourceDecayAndSubtractGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
     tensorflow::mutex_lock lock(*var->mu());
     Tensor* v = var->tensor();
-    OP_REQUIRES(ctx, v->IsInitialized() && v->dtype() == tensorflow::DT_FLOAT,
-                InvalidArgument("variable must be an initialized float32 variable, got ",
-                                tensorflow::DataTypeString(v->dtype())));
+    OP_REQUIRES_OK(ctx, checks::FloatVariable(*v));
     OP_REQUIRES(ctx, delta.NumElements() == v->NumElements(),
                 InvalidArgument("delta has ", delta.NumElements(), " elements and the variable ", v->NumElements()));
     OP_REQUIRES_OK(ctx, OwnDeviceBuffer(ctx, var.get()));
@@ -678,6 +676,33 @@ class GatherAtGpuOp : public OpKernel {
   }
 };
 
+// ResourceSubtractSparseMean: every index checked against the bucket's extent only; the CPU kernel also checks
+// that they increase (the exchange's indices are made increasing on every device).
+class ResourceSubtractSparseMeanGpuOp : public OpKernel {
+ public:
+  explicit ResourceSubtractSparseMeanGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("count", &count_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    OP_REQUIRES_OK(ctx, checks::SparseMeanInputs(ctx));
+    tensorflow::core::RefCountPtr<tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    tensorflow::mutex_lock lock(*var->mu());
+    Tensor* v = var->tensor();
+    OP_REQUIRES_OK(ctx, checks::FloatVariable(*v));
+    OP_REQUIRES_OK(ctx, OwnDeviceBuffer(ctx, var.get()));
+    HC_LAUNCH(ctx, hc_subtract_sparse_mean, Ptr<float>(*v), v->NumElements(), Ptr<const int32_t>(indices),
+              Ptr<const float>(values), indices.NumElements(), ctx->input(3).scalar<int64_t>()(), count_,
+              StreamOf(ctx));
+  }
+
+ private:
+  int64_t count_;
+};
+
 // ScatterMean: parts of `sizes`, zero but at each index the sum of its values (in input order) divided by count.
 class ScatterMeanGpuOp : public OpKernel {
  public:
@@ -718,6 +743,8 @@ class ScatterMeanGpuOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("ZeroAt").Device(DEVICE_GPU), ZeroAtGpuOp);
 REGISTER_KERNEL_BUILDER(Name("GatherAt").Device(DEVICE_GPU), GatherAtGpuOp);
 REGISTER_KERNEL_BUILDER(Name("ScatterMean").Device(DEVICE_GPU), ScatterMeanGpuOp);
+REGISTER_KERNEL_BUILDER(Name("ResourceSubtractSparseMean").Device(DEVICE_GPU).HostMemory("offset"),
+                        ResourceSubtractSparseMeanGpuOp);
 
 #define REGISTER_TOPK_GPU_KERNELS(T)                                                                           \
   REGISTER_KERNEL_BUILDER(Name("TopKAbs").Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("k"),            \
@@ -827,6 +854,39 @@ class CountSketchBucketsGpuOp : public OpKernel {
   int64_t rows_, cols_;
 };
 
+// CountSketchTopK: the query of the one row into a temporary, its top-k, and x gathered there (the CPU kernel's
+// selection over cells saves the n estimates' memory traffic, which the device's bandwidth makes cheap here).
+class CountSketchTopKGpuOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& sketch = ctx->input(0);
+    const Tensor& x = ctx->input(1);
+    int64_t n = 0, k = 0;
+    OP_REQUIRES_OK(ctx, checks::SketchTopKInputs(ctx, &n, &k));
+    OP_REQUIRES_OK(ctx, CheckSketchSizes(n, sketch.dim_size(1)));
+    Tensor *values = nullptr, *indices = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
+    if (k == 0) return;
+    Tensor estimate, selected, workspace, gather_workspace;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({n}), &estimate));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({k}), &selected));
+    HC_LAUNCH(ctx, hc_count_sketch_query, Ptr<const float>(sketch), 1, sketch.dim_size(1), n,
+              ctx->input(3).scalar<int64_t>()(), ctx->input(4).scalar<int64_t>()(), Ptr<float>(estimate),
+              StreamOf(ctx));
+    const void* estimates[] = {estimate.data()};
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_top_k_abs_workspace_bytes(&n, 1), &workspace));
+    HC_LAUNCH(ctx, TopKAbs, estimates, &n, 1, k, Ptr<float>(selected), Ptr<int32_t>(*indices), workspace.data(),
+              StreamOf(ctx));
+    const float* xs[] = {Ptr<const float>(x)};
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_parts_workspace_bytes(1), &gather_workspace));
+    HC_LAUNCH(ctx, hc_gather_at, xs, &n, 1, Ptr<const int32_t>(*indices), k, Ptr<float>(*values),
+              gather_workspace.data(), StreamOf(ctx));
+  }
+};
+
 #define REGISTER_SKETCH_GPU_KERNEL(T)                                                                          \
   REGISTER_KERNEL_BUILDER(                                                                                    \
       Name("CountSketch").Device(DEVICE_GPU).HostMemory("seed").HostMemory("step").TypeConstraint<T>("T"),    \
@@ -838,6 +898,9 @@ REGISTER_SKETCH_GPU_KERNEL(BFloat16);
 REGISTER_KERNEL_BUILDER(
     Name("CountSketchQuery").Device(DEVICE_GPU).HostMemory("n").HostMemory("seed").HostMemory("step"),
     CountSketchQueryGpuOp);
+REGISTER_KERNEL_BUILDER(
+    Name("CountSketchTopK").Device(DEVICE_GPU).HostMemory("k").HostMemory("seed").HostMemory("step"),
+    CountSketchTopKGpuOp);
 REGISTER_KERNEL_BUILDER(
     Name("CountSketchBuckets").Device(DEVICE_GPU).HostMemory("n").HostMemory("seed").HostMemory("step"),
     CountSketchBucketsGpuOp);

@@ -4,6 +4,7 @@
 #define HVD_COMPRESS_TF_OPS_OP_CHECKS_H_
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "blocks.h"
@@ -40,13 +41,52 @@ inline absl::Status SignPayloads(const Tensor& bits, const Tensor& scales, const
   return absl::OkStatus();
 }
 
-// ResourceSubtractBlockSignMean's variable `v`: initialized float32, its elements from `offset` within the
-// payloads' n.
-inline absl::Status SubtractTarget(const Tensor& v, int64_t offset, int64_t n) {
+// The variable an op updates in place: initialized float32.
+inline absl::Status FloatVariable(const Tensor& v) {
   if (!v.IsInitialized() || v.dtype() != tensorflow::DT_FLOAT) {
     return InvalidArgument("variable must be an initialized float32 variable, got ",
                            tensorflow::DataTypeString(v.dtype()));
   }
+  return absl::OkStatus();
+}
+
+// ResourceSubtractSparseMean's inputs after the variable: as many indices as values, a scalar offset.
+inline absl::Status SparseMeanInputs(tensorflow::OpKernelContext* ctx) {
+  const Tensor &indices = ctx->input(1), &values = ctx->input(2);
+  if (indices.NumElements() != values.NumElements() || ctx->input(3).dims() != 0) {
+    return InvalidArgument("indices and values must have the same number of elements (got ", indices.NumElements(),
+                           " and ", values.NumElements(), ") and offset must be a scalar");
+  }
+  return absl::OkStatus();
+}
+
+// CountSketchTopK's inputs: a one-row sketch, x of n <= 2^31 - 1 elements, scalar k in [0, n], seed and step;
+// sets *n and *k.
+inline absl::Status SketchTopKInputs(tensorflow::OpKernelContext* ctx, int64_t* n, int64_t* k) {
+  const Tensor& sketch = ctx->input(0);
+  if (sketch.dims() != 2 || sketch.dim_size(0) != 1 || sketch.dim_size(1) < 1) {
+    return InvalidArgument("sketch must be one row, [1, cols] (the estimate of more rows is a median: "
+                           "count_sketch_query, then top_k_abs), got ", sketch.shape().DebugString());
+  }
+  for (int i = 2; i <= 4; ++i) {
+    if (ctx->input(i).dims() != 0) return InvalidArgument("k, seed and step must be scalars");
+  }
+  *n = ctx->input(1).NumElements();
+  *k = ctx->input(2).scalar<int32_t>()();
+  if (*n > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument("count_sketch_top_k returns int32 indices, so x may have at most 2^31-1 elements; got ",
+                           *n, ". Split the tensor into smaller buckets.");
+  }
+  if (*k < 0 || *k > *n) {
+    return InvalidArgument("k must be in [0, number of elements of x = ", *n, "], got k=", *k, ".");
+  }
+  return absl::OkStatus();
+}
+
+// ResourceSubtractBlockSignMean's variable `v`: initialized float32, its elements from `offset` within the
+// payloads' n.
+inline absl::Status SubtractTarget(const Tensor& v, int64_t offset, int64_t n) {
+  TF_RETURN_IF_ERROR(FloatVariable(v));
   if (offset < 0 || offset + v.NumElements() > n) {
     return InvalidArgument("the variable's ", v.NumElements(), " elements from offset ", offset,
                            " do not fit in the payloads' n=", n);

@@ -60,12 +60,8 @@ __attribute__((target("avx2"))) inline __m256i Mix32Avx2(__m256i x) {
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
-// AVX-512 (F and BW) codes 16 elements at a time, with the same float32 operations per element;
-// HVD_COMPRESS_AVX512=0 in the environment keeps the AVX2 coder (the tests compare the two).
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && [] {
-  const char* setting = std::getenv("HVD_COMPRESS_AVX512");
-  return setting == nullptr || std::strcmp(setting, "0") != 0;
-}();
+// AVX-512 codes 16 elements at a time, with the same float32 operations per element (UseAvx512, blocks.h).
+const bool kHasAvx512 = UseAvx512();
 #endif
 
 // out[l] = u_(first + l) for l in [0, len) (CodeTileDrawnAvx2 makes them in registers where it can).

@@ -41,13 +41,13 @@ HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t
           (z & 1) ? -1.0f : 1.0f};
 }
 
-// A row wider than kRegionCols columns is cut into S = ceil(cols / kRegionCols)
+// A row wider than kRegionCols columns (16 KB of floats: a core's L1 cache) is cut into S = ceil(cols / kRegionCols)
 // regions of (nearly) equal width, and the n coordinates into S equal segments
 // of L = ceil(n / S): coordinate i hashes into the region of its segment,
 // i / L, only. A sketch is thus built and queried one cache-sized region at a
 // time; every region has the load of the whole row (L coordinates into cols / S
 // columns). A row of at most kRegionCols columns is one region: the plain hash.
-constexpr int64_t kRegionCols = int64_t{1} << 16;
+constexpr int64_t kRegionCols = int64_t{1} << 12;
 
 struct Regions {
   int64_t count;        // S

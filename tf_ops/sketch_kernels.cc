@@ -1,19 +1,21 @@
-// CPU kernels for CountSketch, CountSketchQuery and CountSketchBuckets.
+// CPU kernels for CountSketch, CountSketchQuery, CountSketchTopK and CountSketchBuckets.
 //
 // Rows wider than kRegionCols are cut into regions, each fed by one contiguous
-// segment of the coordinates (sketch_hash.h). CountSketch runs one task per
-// (row, region): it hashes the segment's coordinates chunk by chunk (the hash
-// vectorized with AVX2 where the CPU has it; integer arithmetic, so the same
-// buckets and signs either way) and adds them into the region, which stays in
-// the core's L2 cache. Every cell is thus summed in increasing coordinate order
-// by one thread, whatever the thread count: the result equals np.add.at in the
-// NumPy reference. CountSketchQuery hashes the same way and is parallel over
-// chunks of i; CountSketchBuckets returns the cells of a few given coordinates. The hash (sketch_hash.h) and
-// the medians (cores.h) are shared with the GPU kernels (gpu/sketch_kernels.cu).
+// segment of the coordinates (sketch_hash.h). CountSketch and CountSketchTopK
+// run one task per (row, region) (HashSegments): it hashes the segment's
+// coordinates 1024 at a time (vectorized with AVX-512 or AVX2 where the CPU has
+// it; integer arithmetic, so the same buckets and signs any way) and adds them
+// into the region, which stays in the core's L1 cache with them. Every cell is
+// thus summed in increasing coordinate order by one thread, whatever the thread
+// count: the result equals np.add.at in the NumPy reference. CountSketchQuery
+// hashes the same way and is parallel over chunks of i; CountSketchBuckets
+// returns the cells of a few given coordinates. The hash (sketch_hash.h) and the
+// medians (cores.h) are shared with the GPU kernels (gpu/sketch_kernels.cu).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -21,6 +23,7 @@
 #endif
 
 #include "blocks.h"
+#include "op_checks.h"
 #include "sketch_hash.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
@@ -88,13 +91,46 @@ __attribute__((target("avx2"))) void HashRangeAvx2(uint64_t row_key, int64_t fir
   }
   HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
 }
+
+// HashRangeScalar, eight coordinates at a time with AVX-512's 64-bit multiplication.
+__attribute__((target("avx512f,avx512dq,avx512vl"))) void HashRangeAvx512(uint64_t row_key, int64_t first,
+                                                                           int64_t count, int64_t cols,
+                                                                           const float* v, uint32_t* bucket,
+                                                                           float* signed_v) {
+  const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
+  const __m512i vcols = _mm512_set1_epi64(cols);
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
+  const __m256 plus_one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+  const uint64_t base = row_key + static_cast<uint64_t>(first) * kGolden;
+  __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(base)),
+                                _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7),
+                                                   _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    __m512i z = _mm512_mullo_epi64(_mm512_xor_si512(z0, _mm512_srli_epi64(z0, 30)), c1);
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+    const __m512i b = _mm512_srli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(z, 32), vcols), 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + t), _mm512_cvtepi64_epi32(b));
+    const __m256 sign = _mm256_mask_blend_ps(_mm512_test_epi64_mask(z, one), plus_one, minus_one);
+    _mm256_storeu_ps(signed_v + t, _mm256_mul_ps(sign, _mm256_loadu_ps(v + t)));
+    z0 = _mm512_add_epi64(z0, step);
+  }
+  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
+}
 #endif
 
 // Buckets and signed values of coordinates [first, first + count): see HashRangeScalar.
 inline void HashRange(uint64_t row_key, int64_t first, int64_t count, int64_t cols, const float* v,
                       uint32_t* bucket, float* signed_v) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
+  static const bool avx512 = UseAvx512(), avx2 = __builtin_cpu_supports("avx2");
+  if (avx512 && cols <= 0xFFFFFFFFll) {
+    HashRangeAvx512(row_key, first, count, cols, v, bucket, signed_v);
+    return;
+  }
   if (avx2 && cols <= 0xFFFFFFFFll) {
     HashRangeAvx2(row_key, first, count, cols, v, bucket, signed_v);
     return;
@@ -117,6 +153,37 @@ inline void HashRegioned(const Regions& r, uint64_t row_key, int64_t first, int6
   }
 }
 
+// Reads a region of the sketch in order before its random reads, so that they find it in the core's cache
+// (the hardware prefetcher streams an ordered read; random reads of a cold region miss one line at a time).
+inline void WarmUp(const float* region, int64_t width) {
+  float sum = 0;
+  for (int64_t c = 0; c < width; c += 16) sum += region[c];
+  asm volatile("" : : "r"(sum));
+}
+
+// Runs visit(s, a, len, bucket, sign) over the coordinates of each region s's segment, 1024 at a time in
+// increasing order, bucket[t] the column of coordinate a + t inside region s and sign[t] its sign (1.0f or
+// -1.0f); one task per region (its cells are its own), cost_per_element a rough count of cycles. visit
+// returns false to skip the rest of its segment.
+template <typename Visit>
+void HashSegments(OpKernelContext* ctx, const Regions& r, int64_t n, uint64_t row_key, int64_t cost_per_element,
+                  Visit&& visit) {
+  constexpr int64_t kRun = 1024;  // coordinates hashed at a time: their buckets stay in L1 beside the region
+  ParallelFor(ctx, r.count, r.per_segment * cost_per_element + 1, [&](int64_t first, int64_t last) {
+    float ones[kRun], sign[kRun];
+    uint32_t bucket[kRun];
+    std::fill(ones, ones + kRun, 1.0f);
+    for (int64_t s = first; s < last; ++s) {
+      const int64_t lo = s * r.per_segment, hi = std::min(n, lo + r.per_segment), width = r.Width(s);
+      for (int64_t a = lo; a < hi; a += kRun) {
+        const int64_t len = std::min(kRun, hi - a);
+        HashRange(row_key, a, len, width, ones, bucket, sign);
+        if (!visit(s, a, len, bucket, sign)) break;
+      }
+    }
+  });
+}
+
 template <typename T>
 class CountSketchOp : public OpKernel {
  public:
@@ -136,25 +203,19 @@ class CountSketchOp : public OpKernel {
     const T* x = x_tensor.flat<T>().data();
     float* sketch = out->flat<float>().data();
     const Regions regions = RegionsOf(n, cols_);
-    // One task per (row, region): its segment's coordinates, in increasing i, into its region.
-    ParallelFor(ctx, rows_ * regions.count, regions.per_segment * 12 + 1, [&](int64_t first, int64_t last) {
-      std::vector<float> v(kChunk), signed_v(kChunk);
-      std::vector<uint32_t> bucket(kChunk);
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t j = task / regions.count, s = task % regions.count;
-        const uint64_t key = RowKey(seed, j);
-        const int64_t width = regions.Width(s);
-        float* region = sketch + j * cols_ + regions.First(s);
-        std::fill(region, region + width, 0.0f);
-        const int64_t lo = s * regions.per_segment, hi = std::min(n, lo + regions.per_segment);
-        for (int64_t a = lo; a < hi; a += kChunk) {
-          const int64_t len = std::min(kChunk, hi - a);
-          for (int64_t t = 0; t < len; ++t) v[t] = static_cast<float>(x[a + t]);
-          HashRange(key, a, len, width, v.data(), bucket.data(), signed_v.data());
-          for (int64_t t = 0; t < len; ++t) region[bucket[t]] += signed_v[t];
-        }
+    for (int64_t j = 0; j < rows_; ++j) {  // each region's segment, in increasing i, into the region
+      float* row = sketch + j * cols_;
+      HashSegments(ctx, regions, n, RowKey(seed, j), 12,
+                   [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float* sign) {
+                     float* region = row + regions.First(s);
+                     if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0.0f);
+                     for (int64_t t = 0; t < len; ++t) region[bucket[t]] += sign[t] * static_cast<float>(x[a + t]);
+                     return true;
+                   });
+      for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
+        if (s * regions.per_segment >= n) std::fill(row + regions.First(s), row + regions.First(s + 1), 0.0f);
       }
-    });
+    }
   }
 
  private:
@@ -229,6 +290,100 @@ class CountSketchQueryOp : public OpKernel {
     });
   }
 };
+
+// CountSketchTopK: top_k_abs(count_sketch_query(sketch, n)) of a one-row sketch, and x at the selected
+// coordinates (sketched SGD's candidates and their values), without writing the n estimates. With one
+// row |estimate_i| = |S[h(i)]| (the sign only flips it), so every coordinate hashed to a cell has the
+// cell's key: the k-th largest key is found over the cells, each counted once per coordinate hashed to
+// it (its load), by TopKAbs's two-level radix select. Two passes hash the coordinates: the loads, then the
+// selection, each region's segment by one task, written in index order with TopKAbs's ties (the lowest
+// indices first) from each region's counts of coordinates above the threshold and at it, which its own
+// cells give.
+class CountSketchTopKOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& sketch_tensor = ctx->input(0);
+    const Tensor& x_tensor = ctx->input(1);
+    int64_t n = 0, k = 0;
+    OP_REQUIRES_OK(ctx, checks::SketchTopKInputs(ctx, &n, &k));
+    const int64_t cols = sketch_tensor.dim_size(1);
+    const int64_t seed = SketchSeed(ctx->input(3).scalar<int64_t>()(), ctx->input(4).scalar<int64_t>()());
+    Tensor *values_tensor = nullptr, *indices_tensor = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values_tensor));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices_tensor));
+    if (k == 0) return;
+    const float* row = sketch_tensor.flat<float>().data();
+    const float* x = x_tensor.flat<float>().data();
+    float* values = values_tensor->flat<float>().data();
+    int32_t* indices = indices_tensor->flat<int32_t>().data();
+    const Regions regions = RegionsOf(n, cols);
+    const uint64_t row_key = RowKey(seed, 0);
+
+    std::vector<int32_t> loads(cols, 0);  // coordinates per cell (a segment has fewer than 2^31)
+    HashSegments(ctx, regions, n, row_key, 8, [&](int64_t s, int64_t, int64_t len, const uint32_t* bucket, const float*) {
+      int32_t* region = loads.data() + regions.First(s);
+      for (int64_t t = 0; t < len; ++t) ++region[bucket[t]];
+      return true;
+    });
+
+    // The threshold key: the high 15 bits' bin of the k-th largest coordinate key, then the low 16 bits'.
+    std::vector<int64_t> high(int64_t{1} << 15, 0), low(int64_t{1} << 16, 0);
+    for (int64_t c = 0; c < cols; ++c) high[AbsKey(row[c]) >> 16] += loads[c];
+    int64_t above_high = 0, above_low = 0;
+    const uint32_t high_bin = BinOfRank(high, k, &above_high);
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t key = AbsKey(row[c]);
+      if ((key >> 16) == high_bin) low[key & 0xffff] += loads[c];
+    }
+    const uint32_t threshold = (high_bin << 16) | BinOfRank(low, k - above_high, &above_low);
+    const int64_t ties_to_take = k - above_high - above_low;
+
+    // Each region's place in the output: its coordinates above the threshold and the ties it takes.
+    std::vector<int64_t> out(regions.count + 1, 0), ties_left(regions.count);
+    int64_t ties_before = 0;
+    for (int64_t s = 0; s < regions.count; ++s) {
+      int64_t greater = 0, ties = 0;
+      for (int64_t c = regions.First(s); c < regions.First(s + 1); ++c) {
+        const uint32_t key = AbsKey(row[c]);
+        greater += key > threshold ? loads[c] : 0;
+        ties += key == threshold ? loads[c] : 0;
+      }
+      ties_left[s] = TiesTaken(ties_to_take, ties_before, ties);
+      ties_before += ties;
+      out[s + 1] = out[s] + greater + ties_left[s];
+    }
+    std::vector<int64_t> end(out.begin() + 1, out.end());
+    HashSegments(ctx, regions, n, row_key, 10, [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket,
+                                                     const float*) {
+      // Every coordinate of the chunk is staged at `taken`, which only a selected one advances (no branch
+      // to mispredict), then the selected ones are copied out.
+      int32_t stage[1024];  // kRun
+      const float* region = row + regions.First(s);
+      if (a == s * regions.per_segment) WarmUp(region, regions.Width(s));
+      int64_t ties = ties_left[s], taken = 0;
+      for (int64_t t = 0; t < len; ++t) {
+        const uint32_t key = AbsKey(region[bucket[t]]);
+        const bool tie = key == threshold && ties > 0;
+        ties -= tie;
+        stage[taken] = static_cast<int32_t>(a + t);
+        taken += key > threshold || tie;
+      }
+      taken = std::min(taken, end[s] - out[s]);
+      for (int64_t t = 0; t < taken; ++t) {
+        indices[out[s] + t] = stage[t];
+        values[out[s] + t] = x[stage[t]];
+      }
+      out[s] += taken;
+      ties_left[s] = ties;
+      return out[s] < end[s];
+    });
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("CountSketchTopK").Device(DEVICE_CPU).HostMemory("k").HostMemory("seed").HostMemory("step"),
+                        CountSketchTopKOp);
 
 #define REGISTER_SKETCH_KERNEL(T) \
   REGISTER_KERNEL_BUILDER(Name("CountSketch")                                  \

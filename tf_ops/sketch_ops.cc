@@ -57,6 +57,30 @@ s_j(i) * sketch[j, h_j(i)] (for an even number of rows, the mean of the two
 middle values).
 )doc");
 
+REGISTER_OP("CountSketchTopK")
+    .Input("sketch: float")
+    .Input("x: float")
+    .Input("k: int32")
+    .Input("seed: int64")
+    .Input("step: int64")
+    .Output("values: float")
+    .Output("indices: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle sketch, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &sketch));
+      for (int i = 2; i <= 4; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      DimensionHandle k;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &k));
+      c->set_output(0, c->Vector(k));
+      c->set_output(1, c->Vector(k));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The k coordinates i < n = size(x) of largest |estimate| of a one-row sketch
+(TopKAbs of CountSketchQuery(sketch, n): increasing index order, ties to the
+lower index) and x (flattened) at them, without the n estimates.
+)doc");
+
 REGISTER_OP("CountSketchBuckets")
     .Input("indices: int64")
     .Input("n: int64")

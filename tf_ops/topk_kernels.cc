@@ -29,6 +29,7 @@
 #include "blocks.h"
 #include "op_checks.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
 
 namespace hvd_compress {
 
@@ -48,18 +49,6 @@ constexpr int64_t kMinSegment = 1 << 16;
 constexpr int64_t kSampleRun = 16;
 constexpr int64_t kSampleStride = 4093;
 constexpr int64_t kMinSampled = 1 << 20;  // below this, the radix select alone
-
-// Finds the bin holding the `rank`-th largest element (1-based) given merged
-// counts; returns the bin and sets *above to the count in higher bins.
-int64_t BinOfRank(const std::vector<int64_t>& counts, int64_t rank,
-                  int64_t* above) {
-  *above = 0;
-  for (int64_t bin = static_cast<int64_t>(counts.size()) - 1; bin >= 0; --bin) {
-    if (*above + counts[bin] >= rank) return bin;
-    *above += counts[bin];
-  }
-  return 0;  // unreachable when rank <= total count
-}
 
 // Elements per piece for n elements: at most kMaxSegments pieces of at least
 // kMinSegment (one piece when n is smaller).
@@ -454,6 +443,45 @@ class ScatterMeanOp : public OpKernel {
   int64_t count_;
 };
 
+// ResourceSubtractSparseMean (topk_ops.cc): the variable's range of the increasing indices found by binary search,
+// checked, then each of its elements less value / count (ScatterMean's division, then the subtraction).
+class ResourceSubtractSparseMeanOp : public OpKernel {
+ public:
+  explicit ResourceSubtractSparseMeanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("count", &count_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    OP_REQUIRES_OK(ctx, checks::SparseMeanInputs(ctx));
+    tensorflow::core::RefCountPtr<tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    tensorflow::mutex_lock lock(*var->mu());
+    Tensor* v = var->tensor();
+    OP_REQUIRES_OK(ctx, checks::FloatVariable(*v));
+    const int64_t offset = ctx->input(3).scalar<int64_t>()(), size = v->NumElements();
+    const int32_t* idx = indices.flat<int32_t>().data();
+    const int64_t m = indices.NumElements();
+    const int32_t* lo = std::lower_bound(idx, idx + m, offset, [](int32_t a, int64_t b) { return a < b; });
+    const int32_t* hi = std::lower_bound(lo, idx + m, offset + size, [](int32_t a, int64_t b) { return a < b; });
+    for (const int32_t* p = lo + 1; p < hi; ++p) {
+      OP_REQUIRES(ctx, *(p - 1) < *p,
+                  InvalidArgument("indices must increase (each index once), got ", *(p - 1), " before ", *p));
+    }
+    OP_REQUIRES_OK(ctx, OwnBuffer(ctx, var.get()));
+    float* x = v->flat<float>().data();
+    const float* vals = values.flat<float>().data() + (lo - idx);
+    const float divisor = static_cast<float>(count_);
+    for (const int32_t* p = lo; p < hi; ++p) x[*p - offset] -= vals[p - lo] / divisor;
+  }
+
+ private:
+  int64_t count_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("ResourceSubtractSparseMean").Device(DEVICE_CPU).HostMemory("offset"),
+                        ResourceSubtractSparseMeanOp);
 REGISTER_KERNEL_BUILDER(Name("ZeroAt").Device(DEVICE_CPU), ZeroAtOp);
 REGISTER_KERNEL_BUILDER(Name("GatherAt").Device(DEVICE_CPU), GatherAtOp);
 REGISTER_KERNEL_BUILDER(Name("ScatterMean").Device(DEVICE_CPU), ScatterMeanOp);

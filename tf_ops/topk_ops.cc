@@ -100,4 +100,26 @@ count. The allgathered (values, indices) of `count` ranks give their mean
 without a dense tensor per rank.
 )doc");
 
+REGISTER_OP("ResourceSubtractSparseMean")
+    .Input("variable: resource")
+    .Input("indices: int32")
+    .Input("values: float")
+    .Input("offset: int64")
+    .Attr("count: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A float32 variable, elements [offset, offset + size) of a bucket, less its part of the
+sparse mean update (values at increasing, distinct `indices` of the bucket, divided by
+count), in place: variable[i - offset] -= values[t] / count for every indices[t] = i in
+that range, as ScatterMean's mean subtracted from the whole variable would give, in one
+write per index instead of passes over the variable.
+)doc");
+
 }  // namespace hvd_compress

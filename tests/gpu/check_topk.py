@@ -7,7 +7,8 @@
 - hc_scatter_dense_{f32,f16,bf16}_{i32,i64}: np_reference.scatter_dense (duplicates summed in input order in
   float32, rounded once), with heavy duplicates, -0 and NaN among the values;
 - hc_scatter_mean: the values of each index summed in input order in float32 (np.add.at), then / count;
-- hc_gather_at, hc_zero_at: over lists of parts; hc_first_out_of_range_{i32,i64}: the first bad position.
+- hc_gather_at, hc_zero_at: over lists of parts; hc_first_out_of_range_{i32,i64}: the first bad position;
+- hc_subtract_sparse_mean: a variable's range of a bucket less its sparse mean (value / count at each index).
 Out-of-range indices are skipped by the scatters and zero_at (gather_at gives 0 for them): checked too.
 
 float16 NaNs in these checks are quiet: the GPU's key quiets a signalling float16 NaN as the CPU's conversion does
@@ -211,11 +212,30 @@ def check_parts_ops(run):
                        np.array([want_first], np.int64))
 
 
+def check_subtract_sparse_mean(run):
+    """hc_subtract_sparse_mean: a variable holding elements [offset, offset + size) of a bucket, less values / count
+    at the increasing, distinct bucket indices in that range (the others skipped), as the CPU kernel."""
+    cp, k_, rng = run.cp, run.k, run.rng
+    for n, m, count in ((1, 1, 1), (100, 0, 2), (5000, 700, 4), (100_003, 30_000, 3), ((1 << 22) + 3, 1 << 19, 2)):
+        indices = np.sort(rng.choice(n, m, replace=False)).astype(np.int32)
+        values = rng.standard_normal(m).astype(np.float32)
+        values[::11] = -0.0
+        for offset, size in ((0, n), (n // 3, n - n // 3), (0, max(1, n // 2))):
+            x0 = rng.standard_normal(size).astype(np.float32)
+            x = cp.asarray(x0)
+            k_.hc_subtract_sparse_mean(x, size, cp.asarray(indices), cp.asarray(values), m, offset, count, None)
+            want = x0.copy()
+            inside = (indices >= offset) & (indices < offset + size)
+            want[indices[inside] - offset] -= values[inside] / np.float32(count)
+            run.expect("hc_subtract_sparse_mean", f"n={n} m={m} offset={offset} count={count}", x, want)
+
+
 def check(run):
     check_top_k(run, PARTS, KINDS, DTYPES, "")
     check_top_k(run, [LARGE], ("gaussian", "ties", "special"), DTYPES, "large")
     check_scatter_dense(run)
     check_parts_ops(run)
+    check_subtract_sparse_mean(run)
 
 
 def bench(run, n):

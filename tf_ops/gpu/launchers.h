@@ -101,6 +101,10 @@ int hc_scatter_mean(const int32_t* indices, const float* values, int64_t k, floa
 size_t hc_parts_workspace_bytes(int64_t num_parts);
 int hc_gather_at(const float* const* parts_host, const int64_t* sizes_host, int64_t num_parts,
                  const int32_t* indices, int64_t k, float* values, void* workspace, hc_stream stream);
+// x[indices[t] - offset] -= values[t] / count for the indices in [offset, offset + size) (ResourceSubtractSparseMean;
+// the indices distinct).
+int hc_subtract_sparse_mean(float* x, int64_t size, const int32_t* indices, const float* values, int64_t m,
+                            int64_t offset, int64_t count, hc_stream stream);
 int hc_zero_at(float* const* parts_host, const int64_t* sizes_host, int64_t num_parts, const int32_t* indices,
                int64_t k, void* workspace, hc_stream stream);
 // *first (device): the first i with indices[i] outside [0, n), or k when there is none.

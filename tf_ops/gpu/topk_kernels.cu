@@ -573,6 +573,14 @@ __global__ void ZeroAtKernel(PartTable parts, const int32_t* indices, int64_t k)
   }
 }
 
+__global__ void SubtractSparseMeanKernel(float* x, int64_t size, const int32_t* indices, const float* values,
+                                         int64_t m, int64_t offset, float divisor) {
+  HC_GRID_LOOP(t, m) {
+    const int64_t at = static_cast<int64_t>(indices[t]) - offset;
+    if (at >= 0 && at < size) x[at] -= values[t] / divisor;
+  }
+}
+
 __global__ void SetKernel(int64_t* where, int64_t value) { *where = value; }
 
 template <typename Index>
@@ -677,6 +685,14 @@ int hc_gather_at(const float* const* parts_host, const int64_t* sizes_host, int6
   if (status != cudaSuccess || k == 0) return status;
   GatherAtKernel<<<Blocks(k), kThreads, 0, stream>>>(PartTable{static_cast<const int64_t*>(workspace), num_parts},
                                                     indices, k, values);
+  return Launched();
+}
+
+int hc_subtract_sparse_mean(float* x, int64_t size, const int32_t* indices, const float* values, int64_t m,
+                            int64_t offset, int64_t count, hc_stream stream) {
+  if (m == 0) return cudaSuccess;
+  SubtractSparseMeanKernel<<<Blocks(m), kThreads, 0, stream>>>(x, size, indices, values, m, offset,
+                                                              static_cast<float>(count));
   return Launched();
 }
 
