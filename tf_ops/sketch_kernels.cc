@@ -92,6 +92,9 @@ __attribute__((target("avx2"))) void HashRangeAvx2(uint64_t row_key, int64_t fir
   HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
 }
 
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // HashRangeScalar, eight coordinates at a time with AVX-512's 64-bit multiplication.
 __attribute__((target("avx512f,avx512dq,avx512vl"))) void HashRangeAvx512(uint64_t row_key, int64_t first,
                                                                            int64_t count, int64_t cols,
@@ -120,6 +123,7 @@ __attribute__((target("avx512f,avx512dq,avx512vl"))) void HashRangeAvx512(uint64
   }
   HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
 }
+#pragma GCC diagnostic pop
 #endif
 
 // Buckets and signed values of coordinates [first, first + count): see HashRangeScalar.
