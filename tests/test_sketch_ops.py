@@ -178,14 +178,18 @@ def test_top_k_of_a_sketch_refuses_more_rows_and_a_k_beyond_the_vector():
 
 @pytest.mark.skipif("avx512dq" not in open("/proc/cpuinfo").read(), reason="the CPU has no AVX-512: one hash only")
 def test_the_avx512_and_avx2_hashes_give_the_same_sketch(tmp_path):
-    """Where the CPU has AVX-512, the hash runs 8 coordinates at a time; HVD_COMPRESS_AVX512=0 keeps the AVX2 one."""
+    """Where the CPU has AVX-512, the hash runs 8 coordinates at a time; HVD_COMPRESS_AVX512=0 keeps the AVX2 one: the
+    same sketch, query and count_sketch_top_k (over 7 cells, where a seventh of the coordinates tie at the k-th)."""
     script = tmp_path / "avx2.py"
     script.write_text(
         "import sys, numpy as np\n"
         "from hvd_compress import ops\n"
         "x = np.random.default_rng(4).standard_normal(300_007).astype(np.float32)\n"
         "s = ops.count_sketch(x, 2, 20_011, 9, 2)\n"
-        "np.savez(sys.argv[1], s=s.numpy(), q=ops.count_sketch_query(s, x.size, 9, 2).numpy())\n")
+        "ints = np.random.default_rng(5).integers(-3, 4, 300_007).astype(np.float32)\n"
+        "v, i = ops.count_sketch_top_k(ops.count_sketch(ints, 1, 7, 9, 2), ints, 30_001, 9, 2)\n"
+        "np.savez(sys.argv[1], s=s.numpy(), q=ops.count_sketch_query(s, x.size, 9, 2).numpy(), v=v.numpy(),\n"
+        "         i=i.numpy())\n")
     env = {**os.environ, "HVD_COMPRESS_AVX512": "0"}
     subprocess.run([sys.executable, str(script), str(tmp_path / "avx2.npz")], check=True, timeout=120, env=env)
     avx2 = np.load(tmp_path / "avx2.npz")
@@ -194,3 +198,7 @@ def test_the_avx512_and_avx2_hashes_give_the_same_sketch(tmp_path):
     np.testing.assert_array_equal(sketch.numpy(), ref.count_sketch(x, 2, 20_011, 9, 2))
     np.testing.assert_array_equal(avx2["s"], sketch.numpy())
     np.testing.assert_array_equal(avx2["q"], ops.count_sketch_query(sketch, x.size, 9, 2).numpy())
+    ints = np.random.default_rng(5).integers(-3, 4, 300_007).astype(np.float32)
+    values, indices = ops.count_sketch_top_k(ops.count_sketch(ints, 1, 7, 9, 2), ints, 30_001, 9, 2)
+    np.testing.assert_array_equal(avx2["i"], indices.numpy())
+    np.testing.assert_array_equal(avx2["v"], values.numpy())

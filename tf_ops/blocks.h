@@ -53,6 +53,11 @@ inline bool UseAvx512() {
 }
 #endif
 
+// The radix selects' two levels of bins (TopKAbs, CountSketchTopK): a key's high 15 bits (its top bit is clear), then
+// its low 16 bits inside the high bin that holds the k-th largest.
+constexpr int kHighBins = 1 << 15;  // key >> 16
+constexpr int kLowBins = 1 << 16;   // key & 0xffff
+
 // The radix selects' step (TopKAbs, CountSketchTopK): the bin holding the `rank`-th largest element
 // (1-based) given the counts per bin; returns it and sets *above to the count in higher bins.
 inline int64_t BinOfRank(const std::vector<int64_t>& counts, int64_t rank, int64_t* above) {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -37,13 +38,13 @@ using tensorflow::TensorShape;
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // as in SketchHash
 
 // For coordinates [first, first + count) in the row of `row_key`: their
-// buckets, and sign * v[t] (v: count floats), exactly as SketchHash computes them.
+// buckets, and sign * v[t] (v: count floats) unless signed_v is null, exactly as SketchHash computes them.
 inline void HashRangeScalar(uint64_t row_key, int64_t first, int64_t count, int64_t cols,
                             const float* v, uint32_t* bucket, float* signed_v) {
   for (int64_t t = 0; t < count; ++t) {
     const BucketSign h = SketchHash(row_key, first + t, cols);
     bucket[t] = static_cast<uint32_t>(h.bucket);
-    signed_v[t] = h.sign * v[t];
+    if (signed_v != nullptr) signed_v[t] = h.sign * v[t];
   }
 }
 
@@ -80,16 +81,18 @@ __attribute__((target("avx2"))) void HashRangeAvx2(uint64_t row_key, int64_t fir
     z = Mul64(z, c2, c2_hi);
     z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
     const __m256i b = _mm256_srli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(z, 32), vcols), 32);
-    const __m128i negative =
-        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_and_si256(z, one), low_dwords));
-    // 1 - 2 * negative is exactly 1.0f or -1.0f.
-    const __m128 sign = _mm_add_ps(plus_one, _mm_mul_ps(minus_two, _mm_cvtepi32_ps(negative)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(bucket + t),
                      _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, low_dwords)));
-    _mm_storeu_ps(signed_v + t, _mm_mul_ps(sign, _mm_loadu_ps(v + t)));
+    if (signed_v != nullptr) {
+      const __m128i negative =
+          _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_and_si256(z, one), low_dwords));
+      // 1 - 2 * negative is exactly 1.0f or -1.0f.
+      const __m128 sign = _mm_add_ps(plus_one, _mm_mul_ps(minus_two, _mm_cvtepi32_ps(negative)));
+      _mm_storeu_ps(signed_v + t, _mm_mul_ps(sign, _mm_loadu_ps(v + t)));
+    }
     z0 = _mm256_add_epi64(z0, step);
   }
-  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
+  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
 }
 
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
@@ -117,11 +120,13 @@ __attribute__((target("avx512f,avx512dq,avx512vl"))) void HashRangeAvx512(uint64
     z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
     const __m512i b = _mm512_srli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(z, 32), vcols), 32);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + t), _mm512_cvtepi64_epi32(b));
-    const __m256 sign = _mm256_mask_blend_ps(_mm512_test_epi64_mask(z, one), plus_one, minus_one);
-    _mm256_storeu_ps(signed_v + t, _mm256_mul_ps(sign, _mm256_loadu_ps(v + t)));
+    if (signed_v != nullptr) {
+      const __m256 sign = _mm256_mask_blend_ps(_mm512_test_epi64_mask(z, one), plus_one, minus_one);
+      _mm256_storeu_ps(signed_v + t, _mm256_mul_ps(sign, _mm256_loadu_ps(v + t)));
+    }
     z0 = _mm512_add_epi64(z0, step);
   }
-  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v + t);
+  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
 }
 #pragma GCC diagnostic pop
 #endif
@@ -165,14 +170,15 @@ inline void WarmUp(const float* region, int64_t width) {
   asm volatile("" : : "r"(sum));
 }
 
+constexpr int64_t kRun = 1024;  // coordinates HashSegments hashes at a time: their buckets stay in L1 beside the region
+
 // Runs visit(s, a, len, bucket, sign) over the coordinates of each region s's segment, 1024 at a time in
 // increasing order, bucket[t] the column of coordinate a + t inside region s and sign[t] its sign (1.0f or
-// -1.0f); one task per region (its cells are its own), cost_per_element a rough count of cycles. visit
-// returns false to skip the rest of its segment.
+// -1.0f; null where signs is false: buckets only); one task per region (its cells are its own), cost_per_element a
+// rough count of cycles. visit returns false to skip the rest of its segment.
 template <typename Visit>
-void HashSegments(OpKernelContext* ctx, const Regions& r, int64_t n, uint64_t row_key, int64_t cost_per_element,
-                  Visit&& visit) {
-  constexpr int64_t kRun = 1024;  // coordinates hashed at a time: their buckets stay in L1 beside the region
+void HashSegments(OpKernelContext* ctx, const Regions& r, int64_t n, uint64_t row_key, bool signs,
+                  int64_t cost_per_element, Visit&& visit) {
   ParallelFor(ctx, r.count, r.per_segment * cost_per_element + 1, [&](int64_t first, int64_t last) {
     float ones[kRun], sign[kRun];
     uint32_t bucket[kRun];
@@ -181,8 +187,8 @@ void HashSegments(OpKernelContext* ctx, const Regions& r, int64_t n, uint64_t ro
       const int64_t lo = s * r.per_segment, hi = std::min(n, lo + r.per_segment), width = r.Width(s);
       for (int64_t a = lo; a < hi; a += kRun) {
         const int64_t len = std::min(kRun, hi - a);
-        HashRange(row_key, a, len, width, ones, bucket, sign);
-        if (!visit(s, a, len, bucket, sign)) break;
+        HashRange(row_key, a, len, width, ones, bucket, signs ? sign : nullptr);
+        if (!visit(s, a, len, bucket, signs ? sign : nullptr)) break;
       }
     }
   });
@@ -209,7 +215,7 @@ class CountSketchOp : public OpKernel {
     const Regions regions = RegionsOf(n, cols_);
     for (int64_t j = 0; j < rows_; ++j) {  // each region's segment, in increasing i, into the region
       float* row = sketch + j * cols_;
-      HashSegments(ctx, regions, n, RowKey(seed, j), 12,
+      HashSegments(ctx, regions, n, RowKey(seed, j), /*signs=*/true, 12,
                    [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float* sign) {
                      float* region = row + regions.First(s);
                      if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0.0f);
@@ -325,15 +331,23 @@ class CountSketchTopKOp : public OpKernel {
     const Regions regions = RegionsOf(n, cols);
     const uint64_t row_key = RowKey(seed, 0);
 
-    std::vector<int32_t> loads(cols, 0);  // coordinates per cell (a segment has fewer than 2^31)
-    HashSegments(ctx, regions, n, row_key, 8, [&](int64_t s, int64_t, int64_t len, const uint32_t* bucket, const float*) {
-      int32_t* region = loads.data() + regions.First(s);
+    // Coordinates per cell (a segment has fewer than 2^31). Each region is zeroed by its task as it starts, in
+    // order, so that its random increments find it in the core's cache (a zeroed vector's would miss).
+    std::unique_ptr<int32_t[]> loads_buffer(new int32_t[cols]);
+    int32_t* loads = loads_buffer.get();
+    HashSegments(ctx, regions, n, row_key, /*signs=*/false, 8,
+                 [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float*) {
+      int32_t* region = loads + regions.First(s);
+      if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0);
       for (int64_t t = 0; t < len; ++t) ++region[bucket[t]];
       return true;
     });
+    for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
+      if (s * regions.per_segment >= n) std::fill(loads + regions.First(s), loads + regions.First(s + 1), 0);
+    }
 
     // The threshold key: the high 15 bits' bin of the k-th largest coordinate key, then the low 16 bits'.
-    std::vector<int64_t> high(int64_t{1} << 15, 0), low(int64_t{1} << 16, 0);
+    std::vector<int64_t> high(kHighBins, 0), low(kLowBins, 0);
     for (int64_t c = 0; c < cols; ++c) high[AbsKey(row[c]) >> 16] += loads[c];
     int64_t above_high = 0, above_low = 0;
     const uint32_t high_bin = BinOfRank(high, k, &above_high);
@@ -359,11 +373,11 @@ class CountSketchTopKOp : public OpKernel {
       out[s + 1] = out[s] + greater + ties_left[s];
     }
     std::vector<int64_t> end(out.begin() + 1, out.end());
-    HashSegments(ctx, regions, n, row_key, 10, [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket,
-                                                     const float*) {
+    HashSegments(ctx, regions, n, row_key, /*signs=*/false, 10,
+                 [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float*) {
       // Every coordinate of the chunk is staged at `taken`, which only a selected one advances (no branch
       // to mispredict), then the selected ones are copied out.
-      int32_t stage[1024];  // kRun
+      int32_t stage[kRun];
       const float* region = row + regions.First(s);
       if (a == s * regions.per_segment) WarmUp(region, regions.Width(s));
       int64_t ties = ties_left[s], taken = 0;

@@ -40,8 +40,6 @@ using tensorflow::TensorShape;
 
 namespace {
 
-constexpr int kHighBins = 1 << 15;  // key >> 16 (the key's top bit is clear)
-constexpr int kLowBins = 1 << 16;   // key & 0xffff
 constexpr int64_t kMaxSegments = 64;
 constexpr int64_t kMinSegment = 1 << 16;
 // The sample: the elements whose index in the concatenation is below
