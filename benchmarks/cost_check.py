@@ -70,6 +70,12 @@ def optimizer_of(command):
     return found.group(1) if found else "sgd"
 
 
+def launcher_of(command):
+    """The transport of a table's collectives: wire.py's --launcher (Gloo where it names none)."""
+    found = re.search(r"--launcher[= ](\w+)", command)
+    return found.group(1) if found else "gloo"
+
+
 def machine_of(text, name):
     """The machine named in a table's 'Made by' line."""
     body = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n", text).group(1)
@@ -105,7 +111,7 @@ def layout(cell):
     return hosts * local, hosts
 
 
-def check_table(name, optimizer, machine_name, rows, published):
+def check_table(name, optimizer, machine_name, rows, published, transport="gloo"):
     """Every row's prediction: rows as dicts with link, hosts, model, method, step ms and accounted bytes (a published
     table's cells, or a wire.py JSON's made into them); published, the cost.Machine of the one-rank costs."""
     checked = []
@@ -113,7 +119,8 @@ def check_table(name, optimizer, machine_name, rows, published):
         for hosts_cell in dict.fromkeys(r["hosts"] for r in rows if r["link"] == link_name):
             group = [r for r in rows if r["link"] == link_name and r["hosts"] == hosts_cell]
             ranks, hosts = layout(hosts_cell)
-            cluster = cost.Cluster(ranks, cost.Link.parse(link_name, FLAGS.latency_us * 1e-6), hosts)
+            cluster = cost.Cluster(ranks, cost.Link.parse(link_name, FLAGS.latency_us * 1e-6), hosts,
+                                   transport=transport)
             shapes = model_shapes(group[0]["model"])
             elements = sum(math.prod(s) for s in shapes)
             floor = next((r for r in group if r["method"] == "no_exchange"), None)
@@ -167,7 +174,8 @@ def published_rows(text):
     """Every published wire table's rows, checked against the published one-rank costs."""
     for name, command, table in published_tables(text):
         optimizer = optimizer_of(command)
-        yield from check_table(name, optimizer, machine_of(text, name), table, cost.published_cpu(optimizer))
+        yield from check_table(name, optimizer, machine_of(text, name), table, cost.published_cpu(optimizer),
+                               launcher_of(command))
 
 
 def same_run_rows(wire_json, overhead_json):

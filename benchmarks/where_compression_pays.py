@@ -56,7 +56,7 @@ def predict_rows():
             for link in FLAGS.links:
                 cluster = cost.Cluster(gpus, cost.Link.parse(link, FLAGS.latency_us * 1e-6),
                                        max(1, gpus // GPUS_PER_HOST),
-                                       cost.Link.parse(FLAGS.intra_host_link).rate_bps)
+                                       cost.Link.parse(FLAGS.intra_host_link).rate_bps, transport="nccl")
                 steps = {m: cost.predict(m, shapes, compute_s, cluster, cost.H100, "adamw",
                                          hierarchical=not m.startswith("horovod")) for m in FLAGS.methods}
                 rows.append(dict(model=model, parameters=parameters, gpus=gpus, link=link, compute_ms=compute_s * 1e3,

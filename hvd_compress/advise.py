@@ -147,7 +147,8 @@ def main(argv):
     else:
         model = parse_count(FLAGS.parameters)
     cluster = cost.Cluster(FLAGS.ranks, cost.Link.parse(FLAGS.link, FLAGS.latency_us * 1e-6), FLAGS.hosts or None,
-                           intra_host_rate=cost.Link.parse(FLAGS.intra_host_link).rate_bps)
+                           intra_host_rate=cost.Link.parse(FLAGS.intra_host_link).rate_bps,
+                           transport=FLAGS.transport or ("nccl" if FLAGS.machine == "h100" else "gloo"))
     machine = (cost.H100 if FLAGS.machine == "h100" else cost.published_cpu(FLAGS.optimizer) if FLAGS.machine == "cpu"
                else cost.published_cpu(FLAGS.optimizer).scaled_by_probe(cost.probe_s()))
     advice = advise(model, FLAGS.compute_ms / 1e3, cluster, FLAGS.optimizer, machine, FLAGS.methods)
@@ -171,6 +172,8 @@ def define_flags():
     flags.DEFINE_string("link", "1gbit", "Each host's link rate: 100mbit, 1gbit, 10gbit, 400gbit...")
     flags.DEFINE_float("latency_us", 50.0, "The link's latency per message round, microseconds.")
     flags.DEFINE_string("intra_host_link", "100gbit", "The rate between the ranks of one host (NVLink: 3600gbit).")
+    flags.DEFINE_enum("transport", None, list(cost.TRANSPORTS), "Whose collectives Horovod runs (default: gloo on "
+                      "CPUs, nccl with --machine=h100); on CPUs Gloo adds float16 in software, which Horovod fp16 pays.")
     flags.DEFINE_enum("optimizer", "sgd", sorted(ACCURACY), "The wrapped optimizer (Adam and its kinds: adamw).")
     flags.DEFINE_enum("machine", "cpu", ["cpu", "this_cpu", "h100"], "The methods' own costs: the published CPU "
                       "tables; the same scaled to this machine by the time of a pass over 16M floats (cost.probe_s, "

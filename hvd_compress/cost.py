@@ -19,10 +19,13 @@
 - host link: in a ring (Horovod's allreduce and allgather over Gloo and MPI, NCCL's rings) the ring leaves and
   enters each host once, so a host's link carries what one rank sends; with `hierarchical=True` only the compressed
   exchange among hosts crosses it, and the full-precision stages inside the host move 2 (L-1)/L x 4d bytes at the
-  host's own rate (`Cluster.intra_host_rate`).
+  host's own rate (`Cluster.intra_host_rate`, or the CPU ranks' loopback where slower).
+- the CPU's share of the collectives (`HostCollectives`, by `Cluster.transport`): a flat ring through hosts of
+  several ranks runs at its slowest hop, the host's link or the ranks' loopback; Horovod fp16 over Gloo takes the
+  longer of its link's time and its float16 sums, which Gloo does in software.
 - latency: each collective of a ring takes 2 (n-1) message rounds (allreduce) at `Link.latency_s` each.
 
-Nothing overlaps in this model: on the measured machines Horovod's fp32 step is its floor plus its link time
+Nothing else overlaps in this model: on the measured machines Horovod's fp32 step is its floor plus its link time
 (wire.py's tables, 0.96-1.05x), because the CPU that backprops is also the one that moves the bytes. Where the
 model is wrong it is wrong in one place, a measured term: `benchmarks/cost_check.py` puts its predictions beside
 every published shaped-link row.
@@ -56,6 +59,9 @@ class Link:
         return cls(rate, latency_s)
 
 
+TRANSPORTS = ("gloo", "mpi", "nccl")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """`ranks` ranks on `hosts` hosts (ranks per host = ranks / hosts), each host with one `link` to the others;
@@ -64,8 +70,14 @@ class Cluster:
     link: Link
     hosts: Optional[int] = None  # None: one rank per host
     intra_host_rate: float = 100e9
+    #: whose collectives Horovod runs: "gloo" or "mpi" (on the CPU, where Machine.host_collectives costs the CPU
+    #: its share), "nccl" (on the GPU)
+    transport: str = "gloo"
 
     def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: Horovod's collectives run over one of {TRANSPORTS} "
+                             "(horovodrun --gloo, --mpi; NCCL on GPUs).")
         hosts = self.ranks if self.hosts is None else self.hosts
         if self.ranks < 1 or hosts < 1 or self.ranks % hosts:
             raise ValueError(f"ranks={self.ranks}, hosts={self.hosts}: hosts must divide ranks (each host the same "
@@ -75,6 +87,32 @@ class Cluster:
     @property
     def local_size(self):
         return self.ranks // self.hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCollectives:
+    """What Horovod's collectives over one transport cost the CPU of a rank (benchmarks/host_collectives.py).
+    half_sum_per_element_s: the seconds a rank takes to add one float16 element in an allreduce (Gloo adds float16
+    in software, an element at a time; Open MPI's sum is Horovod's own, vectorised). A ring's rank adds (n - 1) / n
+    of the vector, one segment while the next crosses the link, so a float16 allreduce takes the longer of its
+    link's time and its sums. loopback_rate_bps: the rate at which the ranks of one host move bytes between each
+    other (TCP over loopback: copies, by the cores the ranks train on), which bounds a ring's hops inside a host
+    and a hierarchical exchange's stages there."""
+    half_sum_per_element_s: float
+    loopback_rate_bps: float
+    #: the probe's pass (`probe_s`) where these were measured, every rank at once: `on_machine`
+    probe_s: float
+
+    def on_machine(self, probe_s):
+        """These costs on a machine whose probe's pass (every rank at once) takes `probe_s` seconds."""
+        factor = probe_s / self.probe_s
+        return HostCollectives(self.half_sum_per_element_s * factor, self.loopback_rate_bps / factor, probe_s)
+
+
+#: Horovod's collectives between the 2 ranks of one host, by transport, with the probe's pass there (both ranks at
+#: once): benchmarks/host_collectives.py on a 2-core AMD EPYC (Zen 4), docs/cost_model.md. Open MPI's float16
+#: allreduce took no longer than float32's of the same bytes: no float16 sum is charged to it.
+HOST_COLLECTIVES = dict(gloo=HostCollectives(21.6e-9, 6.9e9, 30.6e-3), mpi=HostCollectives(0.0, 13.5e9, 34.1e-3))
 
 
 #: methods that make the same passes over the model as another, measured one (their payloads differ, not their work)
@@ -94,6 +132,8 @@ class Machine:
     floor_per_element_s: Optional[float] = None
     #: the calibration machine's time for the probe's pass (`probe_s`), where known: `scaled_by_probe`
     probe_s: Optional[float] = None
+    #: what Horovod's collectives cost this machine's CPU, by transport (Cluster.transport; none where not given)
+    host_collectives: dict = dataclasses.field(default_factory=dict)
 
     def scaled_to(self, compute_s, elements):
         """These costs on a machine whose floor is `compute_s` for `elements` elements of the calibration's model (the
@@ -101,7 +141,8 @@ class Machine:
         core-bound on the CPU); itself where the calibration's floor is unknown. Right for that model only: a model
         of more compute per parameter (a transformer, a CNN) has a longer floor per element on the same machine,
         which scaled_by_probe does not confuse with a slower machine (benchmarks/cost_check.py scales every
-        table's rows by its floor, and names that miss)."""
+        table's rows by its floor, and names that miss). The collectives' CPU costs (host_collectives) stay as they
+        are: a floor mixes the machine with the model, and those depend on the machine alone."""
         if not self.floor_per_element_s:
             return self
         return self._scaled(compute_s / elements / self.floor_per_element_s, "its floor")
@@ -112,7 +153,8 @@ class Machine:
         calibration's probe is unknown."""
         if not self.probe_s:
             return self
-        return self._scaled(probe_s / self.probe_s, "the probe")
+        return self._scaled(probe_s / self.probe_s, "the probe",
+                            host_collectives={t: c.on_machine(probe_s) for t, c in self.host_collectives.items()})
 
     def _scaled(self, factor, by, **calibration):
         """Every per-element cost, and the calibration it is known by (floor, probe), times `factor`."""
@@ -136,15 +178,17 @@ class Machine:
                    floor_per_element_s=floor_ms / 1e3 / elements if floor_ms else None, **settings)
 
     @classmethod
-    def from_steps(cls, name, shapes, step_ms, optimizer="sgd"):
+    def from_steps(cls, name, shapes, step_ms, optimizer="sgd", host_collectives=None):
         """From one-rank step times on a model of tensors `shapes` under `optimizer` ("sgd" or "adamw"): `step_ms[method]`, no_exchange's among them
-        (benchmarks/overhead.py's rows, or steps timed by hand)."""
+        (benchmarks/overhead.py's rows, or steps timed by hand); the collectives' CPU costs `host_collectives` (by
+        transport; default: HOST_COLLECTIVES as measured)."""
         if "no_exchange" not in step_ms:
             raise ValueError("step times without no_exchange's: time the bare optimizer's step beside the methods "
                              "(benchmarks/overhead.py --methods=no_exchange,<methods>) so that the floor is known.")
         added = {m: ms - step_ms["no_exchange"] for m, ms in step_ms.items() if m != "no_exchange"}
         return cls.from_added_ms(name, sum(math.prod(s) for s in shapes), added,
-                                 {m: planned_collectives(m, shapes, 2, optimizer) for m in added}, step_ms["no_exchange"])
+                                 {m: planned_collectives(m, shapes, 2, optimizer) for m in added}, step_ms["no_exchange"],
+                                 host_collectives=HOST_COLLECTIVES if host_collectives is None else host_collectives)
 
 
 #: the probe: one pass reading and writing PROBE_ELEMENTS float32 values (y = 0.5 x + 1), the kind of pass a
@@ -204,7 +248,8 @@ def published_cpu(optimizer="sgd"):
     name, floor_ms, probe_ms, added = PUBLISHED_ADDED_MS[optimizer]
     elements = sum(math.prod(s) for s in MLP25M_SHAPES)
     return Machine.from_added_ms(name, elements, added, {m: planned_collectives(m, MLP25M_SHAPES, 2, optimizer)
-                                                         for m in added}, floor_ms, probe_s=probe_ms / 1e3)
+                                                         for m in added}, floor_ms, probe_s=probe_ms / 1e3,
+                                 host_collectives=HOST_COLLECTIVES)
 
 
 # -- bytes and collectives, as the optimizer plans them -------------------------------------------------------------
@@ -323,15 +368,21 @@ def predict(method, shapes, compute_s, cluster, machine, optimizer="sgd", overri
         return Step(method, compute_s, 0.0, 0.0, 0.0, 0.0)
     collectives = planned_collectives(method, shapes, n, optimizer, overrides)
     per_rank = planned_bytes(method, shapes, n, optimizer, overrides)
+    on_cpu = machine.host_collectives.get(cluster.transport)
+    inside_rate = min(cluster.intra_host_rate, on_cpu.loopback_rate_bps) if on_cpu else cluster.intra_host_rate
+    rate = cluster.link.rate_bps
     if hierarchical and cluster.local_size > 1:  # the hosts' compressed exchange; inside, the full-precision stages
         host_link = planned_bytes(method, shapes, cluster.hosts, optimizer, overrides) if cluster.hosts > 1 else 0.0
-        inside = 2 * 4 * elements * (cluster.local_size - 1) / cluster.local_size * 8 / cluster.intra_host_rate
+        inside = 2 * 4 * elements * (cluster.local_size - 1) / cluster.local_size * 8 / inside_rate
         rounds = 2 * (cluster.hosts - 1) + 2 * (cluster.local_size - 1)
     elif cluster.hosts == 1:  # one host: the ring runs inside it, no host link is crossed
-        host_link, inside, rounds = 0.0, per_rank * 8 / cluster.intra_host_rate, 2 * (n - 1)
-    else:
+        host_link, inside, rounds = 0.0, per_rank * 8 / inside_rate, 2 * (n - 1)
+    else:  # a ring through every rank: as fast as its slowest hop, the hosts' links or the hops inside a host
         host_link, inside, rounds = per_rank, 0.0, 2 * (n - 1)
-    link = host_link * 8 / cluster.link.rate_bps + inside + collectives * rounds * cluster.link.latency_s
+        rate = rate if cluster.local_size == 1 else min(rate, inside_rate)
+    link = host_link * 8 / rate + inside + collectives * rounds * cluster.link.latency_s
+    if method == "horovod_fp16" and on_cpu:  # the ring's sums, beside the link's time
+        link = max(link, (n - 1) / n * elements * on_cpu.half_sum_per_element_s)
     own = machine.own_s(method, elements, collectives)
     if overlap:
         link = max(0.0, link - (compute_s + own))

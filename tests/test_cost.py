@@ -1,5 +1,6 @@
 """The cost model (hvd_compress/cost.py), the advisor (python -m hvd_compress.advise) and the checker of the published
 shaped-link rows (benchmarks/cost_check.py), as a user calls them."""
+import json
 import math
 import os
 import pathlib
@@ -50,6 +51,53 @@ def test_a_step_is_compute_plus_own_plus_link():
     assert cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, host, cost.H100, hierarchical=True).host_link_bytes == 0
 
 
+def test_gloo_adds_float16_on_the_cpu_beside_the_link():
+    """Horovod fp16's allreduce over Gloo takes the longer of its link's time and its software sums ((n - 1) / n of
+    the vector a rank, at HOST_COLLECTIVES' cost an element): slower than fp32's on a fast link, half of it on a slow
+    one; over MPI and NCCL, half of fp32's on any link."""
+    published, d = cost.published_cpu("sgd"), sum(math.prod(s) for s in cost.MLP25M_SHAPES)
+    sums_s = d / 2 * cost.HOST_COLLECTIVES["gloo"].half_sum_per_element_s
+
+    def links(rate, transport, machine=published):
+        cluster = cost.Cluster(2, cost.Link.parse(rate, latency_s=0.0), transport=transport)
+        return [cost.predict(m, cost.MLP25M_SHAPES, 0.2, cluster, machine).link_s for m in ("horovod_fp32",
+                                                                                           "horovod_fp16")]
+    fp32, fp16 = links("10gbit", "gloo")
+    assert fp16 == pytest.approx(sums_s) and fp16 > fp32
+    fp32, fp16 = links("100mbit", "gloo")
+    assert fp16 == pytest.approx(fp32 / 2) and fp16 > sums_s
+    for transport, machine in (("mpi", published), ("nccl", cost.H100)):
+        fp32, fp16 = links("10gbit", transport, machine)
+        assert fp16 == pytest.approx(fp32 / 2), transport
+
+
+def test_a_ring_runs_at_its_slowest_hop():
+    """4 CPU ranks on 2 hosts: the ring's hops inside a host run at the ranks' loopback rate (HOST_COLLECTIVES), so
+    a 100 Gbit/s link between hosts does not make it faster; a hierarchical exchange's stages inside the host run at
+    the same rate. GPUs on NVLink (no host collectives) run at the cluster's intra_host_rate."""
+    loopback = cost.HOST_COLLECTIVES["gloo"].loopback_rate_bps
+    cluster = cost.Cluster(4, cost.Link.parse("100gbit", latency_s=0.0), hosts=2)
+    flat = cost.predict("horovod_fp32", cost.MLP25M_SHAPES, 0.2, cluster, cost.published_cpu("sgd"))
+    assert flat.link_s == pytest.approx(flat.bytes_per_rank * 8 / loopback)
+    d = sum(math.prod(s) for s in cost.MLP25M_SHAPES)
+    hierarchical = cost.predict("onebit", cost.MLP25M_SHAPES, 0.2, cluster, cost.published_cpu("sgd"),
+                                hierarchical=True)
+    cross_s = hierarchical.host_link_bytes * 8 / 100e9
+    assert hierarchical.link_s == pytest.approx(cross_s + 2 * 4 * d / 2 * 8 / loopback)
+    gpus = cost.predict("horovod_fp32", cost.MLP25M_SHAPES, 0.2, cost.Cluster(
+        4, cluster.link, hosts=2, intra_host_rate=3.6e12, transport="nccl"), cost.H100)
+    assert gpus.link_s == pytest.approx(gpus.bytes_per_rank * 8 / 100e9)
+
+
+def test_the_collectives_cpu_costs_follow_the_probe_not_a_models_floor():
+    published = cost.published_cpu("sgd")
+    gloo = published.host_collectives["gloo"]
+    slower = published.scaled_by_probe(2 * gloo.probe_s).host_collectives["gloo"]
+    assert slower.half_sum_per_element_s == pytest.approx(2 * gloo.half_sum_per_element_s)
+    assert slower.loopback_rate_bps == pytest.approx(gloo.loopback_rate_bps / 2)
+    assert published.scaled_to(3.0, 1e6).host_collectives == published.host_collectives
+
+
 def test_one_rank_costs_come_from_step_times_and_follow_the_floor():
     shapes = [(1000, 1000)]
     machine = cost.Machine.from_steps("here", shapes, dict(no_exchange=100.0, topk=110.0))
@@ -77,6 +125,8 @@ def test_the_published_costs_follow_the_probe_whatever_the_model():
 def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="link rate 'fast'"):
         cost.Link.parse("fast")
+    with pytest.raises(ValueError, match="transport='ucx'"):
+        cost.Cluster(2, cost.Link.parse("1gbit"), transport="ucx")
     with pytest.raises(ValueError, match="hosts must divide ranks"):
         cost.Cluster(6, cost.Link.parse("1gbit"), hosts=4)
     with pytest.raises(ValueError, match="optimizer='lion'"):
@@ -111,9 +161,35 @@ def test_the_advisor_command():
                           capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| method | predicted step ms |" in proc.stdout and "Recommended: " in proc.stdout
+    fp16 = {}
+    for transport in ("gloo", "mpi"):  # Gloo's float16 sums: Horovod fp16 slower than fp32 at 10 Gbit/s, not MPI's
+        proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--parameters=25m", "--compute_ms=150",
+                               "--link=10gbit", f"--transport={transport}", "--methods=horovod_fp32,horovod_fp16"],
+                              capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        fp16[transport] = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| h")]
+    assert fp16 == dict(gloo=["horovod_fp32", "horovod_fp16"], mpi=["horovod_fp16", "horovod_fp32"])
     proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--compute_ms=150"],
                           capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert proc.returncode != 0 and "--parameters" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_host_collectives_benchmark_measures_both_transports(tmp_path):
+    """benchmarks/host_collectives.py as its users run it, on a smaller vector: both launchers' figures, and the table
+    that names them."""
+    out = tmp_path / "host_collectives.json"  # outside the repository: nothing is published
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_collectives.py"), "--elements=2000000",
+                           "--repeats=2", f"--out={out}"], capture_output=True, text=True, timeout=280, env=ENV,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["launcher"] for r in rows] == ["gloo", "mpi"] and all(r["ranks"] == 2 for r in rows)
+    for r in rows:
+        assert all(ms > 0 for ms in r["ms"].values()) and r["loopback_gbit"] > 0 and r["probe_ms"] > 0, r
+        assert r["half_sum_ns"] == pytest.approx(1e6 * (r["ms"]["allreduce_fp16"] - r["ms"]["allreduce_fp32_half"])
+                                                 / (r["elements"] / 2))
+    assert "| gloo | 2 | 2,000,000 |" in proc.stdout and "| mpi | 2 | 2,000,000 |" in proc.stdout
 
 
 def test_the_checker_reads_every_published_wire_table():
