@@ -312,7 +312,7 @@ class FullAllreduce(Exchange):
 class OrderedMean(Exchange):
     """A bucket sent at full precision with a sum whose order is fixed (a warm-up's steps, which a NumPy
     reference replays bit for bit at any world size and launcher): an alltoall sends shard j of every
-    rank's vector to rank j, which adds them in rank order (a float32 scan) and multiplies by float32(1/n); an
+    rank's vector to rank j, which adds them in rank order (a float32 fold) and multiplies by float32(1/n); an
     allgather brings every mean shard back. Per rank that is 2 (n-1)/n of 4d bytes, what a ring
     allreduce moves. No residual is left."""
 
