@@ -325,16 +325,14 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
     offset[r] = _mm256_set1_ps(offsets[r * stride]);
     scale[r] = _mm256_set1_ps(scales[r * stride]);
   }
-  // x / m and x * (1 / m) are the same float where m is a power of two (both round the same real number).
-  const bool power_of_two = (m & (m - 1)) == 0;
-  const __m256 divisor = _mm256_set1_ps(static_cast<float>(m)), reciprocal = _mm256_set1_ps(1.0f / m);
+  const CountDivisor divide(static_cast<float>(m));
   for (; i + 8 <= end; i += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < m; ++r) {
       const __m256 codes = CodesOfEightAvx2<kBits>(packed + r * num_bytes + i / 8 * kBits);
       acc = _mm256_add_ps(acc, _mm256_add_ps(offset[r], _mm256_mul_ps(codes, scale[r])));
     }
-    acc = power_of_two ? _mm256_mul_ps(acc, reciprocal) : _mm256_div_ps(acc, divisor);
+    acc = divide(acc);
     _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
   }
   return i;
@@ -361,7 +359,7 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
   if (kHasAvx2) i = DecodeMeanEightsAvx2<kBits>(packed, num_bytes, m, offsets, scales, stride, i, end, plus, out);
 #endif
 #if defined(__AVX__)
-  const __m256 divisor = _mm256_set1_ps(count);
+  const CountDivisor divide(count);
   for (; i + 8 <= end; i += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < m; ++r) {
@@ -369,7 +367,7 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
       acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_set1_ps(offsets[r * stride]),
                                              _mm256_mul_ps(codes, _mm256_set1_ps(scales[r * stride]))));
     }
-    acc = _mm256_div_ps(acc, divisor);
+    acc = divide(acc);
     _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
   }
 #endif

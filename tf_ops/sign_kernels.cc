@@ -103,24 +103,38 @@ void DecodeSigns(const uint8_t* bits, float scale, int64_t begin, int64_t end, T
   for (; i < end; ++i) one(i);
 }
 
-// SignMeanAt (cores.h) for the eight elements of packed byte `byte`, into mean[0..8), with the same float32
-// operations in the same order (AVX: eight at a time, the sums in one register).
-inline void MeanOfByte(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m, float count,
-                       int64_t byte, float* __restrict mean) {
+// SignMeanAt (cores.h) for the 8 kBytes elements of packed bytes byte .. byte + kBytes - 1, into
+// mean[0 .. 8 kBytes), with the same float32 operations in the same order (AVX: eight at a time, kBytes sums in
+// registers, each payload's scale broadcast once for them, the sums divided by CountDivisor).
 #if defined(__AVX__)
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t r = 0; r < m; ++r) {
-    const __m256 mask = _mm256_loadu_ps(reinterpret_cast<const float*>(kSignMasks.m[bits[r * num_bytes + byte]]));
-    sum = _mm256_add_ps(sum, _mm256_xor_ps(_mm256_castsi256_ps(_mm256_set1_epi32(scale_bits[r])), mask));
-  }
-  _mm256_storeu_ps(mean, _mm256_div_ps(sum, _mm256_set1_ps(count)));
+using MeanDivisor = CountDivisor;
 #else
-  float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+using MeanDivisor = float;
+#endif
+template <int kBytes>
+inline void MeanOfBytes(const uint8_t* bits, int64_t num_bytes, const uint32_t* scale_bits, int64_t m,
+                        const MeanDivisor& count, int64_t byte, float* __restrict mean) {
+#if defined(__AVX__)
+  __m256 sum[kBytes];
+  for (int k = 0; k < kBytes; ++k) sum[k] = _mm256_setzero_ps();
   for (int64_t r = 0; r < m; ++r) {
-    const uint32_t* mask = kSignMasks.m[bits[r * num_bytes + byte]];
-    for (int l = 0; l < 8; ++l) sum[l] += BitsFloat(scale_bits[r] ^ mask[l]);
+    const __m256 scale = _mm256_castsi256_ps(_mm256_set1_epi32(scale_bits[r]));
+    const uint8_t* row = bits + r * num_bytes + byte;
+    for (int k = 0; k < kBytes; ++k) {
+      const __m256 mask = _mm256_loadu_ps(reinterpret_cast<const float*>(kSignMasks.m[row[k]]));
+      sum[k] = _mm256_add_ps(sum[k], _mm256_xor_ps(scale, mask));
+    }
   }
-  for (int l = 0; l < 8; ++l) mean[l] = sum[l] / count;
+  for (int k = 0; k < kBytes; ++k) _mm256_storeu_ps(mean + 8 * k, count(sum[k]));
+#else
+  float sum[8 * kBytes] = {};
+  for (int64_t r = 0; r < m; ++r) {
+    for (int k = 0; k < kBytes; ++k) {
+      const uint32_t* mask = kSignMasks.m[bits[r * num_bytes + byte + k]];
+      for (int l = 0; l < 8; ++l) sum[8 * k + l] += BitsFloat(scale_bits[r] ^ mask[l]);
+    }
+  }
+  for (int l = 0; l < 8 * kBytes; ++l) mean[l] = sum[l] / count;
 #endif
 }
 
@@ -131,9 +145,15 @@ inline void ForEachMean(const uint8_t* bits, int64_t num_bytes, const uint32_t* 
                         int64_t begin, int64_t end, Store&& store, Store8&& store8) {
   int64_t i = begin;
   for (; i < end && (i & 7) != 0; ++i) store(i, SignMeanAt(bits, num_bytes, scale_bits, 1, m, count, i));
-  alignas(32) float mean[8];
+  constexpr int kRun = 4;  // bytes decoded at a time
+  alignas(32) float mean[8 * kRun];
+  const MeanDivisor divisor(count);
+  for (; i + 8 * kRun <= end; i += 8 * kRun) {
+    MeanOfBytes<kRun>(bits, num_bytes, scale_bits, m, divisor, i >> 3, mean);
+    for (int k = 0; k < kRun; ++k) store8(i + 8 * k, mean + 8 * k);
+  }
   for (; i + 8 <= end; i += 8) {
-    MeanOfByte(bits, num_bytes, scale_bits, m, count, i >> 3, mean);
+    MeanOfBytes<1>(bits, num_bytes, scale_bits, m, divisor, i >> 3, mean);
     store8(i, mean);
   }
   for (; i < end; ++i) store(i, SignMeanAt(bits, num_bytes, scale_bits, 1, m, count, i));
