@@ -292,18 +292,19 @@ REGION_COLS = 1 << 12  # kRegionCols in tf_ops/sketch_hash.h
 def sketch_hash(seed, row, n, cols, step=0):
     """(buckets, signs) of coordinates 0..n-1 in one row, as SketchHash in tf_ops/sketch_hash.h: a row
     of more than REGION_COLS columns is cut into S regions and the coordinates into S segments of
-    L = ceil(n / S), segment s hashed into region s."""
+    L = ceil(n / S), segment s hashed into region s; coordinate i's h = keyed_hash32(the row's key, i) gives its
+    column in the region, ((h >> 12) width) >> 20, and its sign, -1 where h is odd."""
     with np.errstate(over="ignore"):
         seed = np.array([seed], np.int64).astype(np.uint64) + np.uint64(step) * np.uint64(0x632BE59BD9B4E019)
         key = _mix64(seed * np.uint64(0x9E3779B97F4A7C15)
                      + np.array([row + 1], np.uint64) * np.uint64(0xD1B54A32D192ED03))
-        z = _mix64(key + np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    h = keyed_hash32(int(key[0]), n)
     regions = -(-cols // REGION_COLS)
     segment = np.arange(n, dtype=np.int64) // max(1, -(-n // regions))
     first = segment * cols // regions
-    width = (segment + 1) * cols // regions - first
-    buckets = first + (((z >> np.uint64(32)) * width.astype(np.uint64)) >> np.uint64(32)).astype(np.int64)
-    signs = np.where(z & np.uint64(1), np.float32(-1), np.float32(1))
+    width = (segment + 1) * cols // regions - first  # at most REGION_COLS = 2^12: the product fits in 32 bits
+    buckets = first + (((h >> np.uint32(12)) * width.astype(np.uint32)) >> np.uint32(20)).astype(np.int64)
+    signs = np.where(h & np.uint32(1), np.float32(-1), np.float32(1))
     return buckets, signs
 
 
@@ -404,20 +405,26 @@ def _mix32(x):
     return x ^ (x >> np.uint32(16))
 
 
+def keyed_hash32(key, n):
+    """uint32[n]: the hashes of 0..n-1 under the 64-bit key K, mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)),
+    as KeyedHash32 in tf_ops/cores.h (the quantizer's draws and the count sketch's cells)."""
+    index = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
+        high = (index >> np.uint64(32)).astype(np.uint32) ^ np.uint32(key >> 32)
+        return _mix32(_mix32(low) ^ high)
+
+
 def quantize_uniforms(seed, n):
     """float32[n]: the stochastic draws u_i in [0, 1) of elements 0..n-1 for seed = (key, counter):
     K = splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F), then
-    (mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)) >> 8) * 2^-24."""
+    (keyed_hash32(K, i) >> 8) * 2^-24."""
     key, counter = np.asarray(seed, np.int64).reshape(2).view(np.uint64)
-    index = np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         base = np.array([key], np.uint64) * QUANTIZE_GOLDEN ^ np.array([counter], np.uint64) * np.uint64(
             0xC2B2AE3D27D4EB4F)
         k = _mix64(base + QUANTIZE_GOLDEN)[0]
-        low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(int(k) & 0xFFFFFFFF)
-        high = (index >> np.uint64(32)).astype(np.uint32) ^ np.uint32(int(k) >> 32)
-        h = _mix32(_mix32(low) ^ high)
-    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+    return (keyed_hash32(int(k), n) >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def quantize_params(x, bounds, bits):

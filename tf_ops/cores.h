@@ -287,11 +287,16 @@ HC_HOST_DEVICE inline uint32_t Mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-HC_HOST_DEVICE inline float QuantizeUniform(uint64_t base, int64_t i) {
+// Element i's 32-bit hash under the 64-bit key K: Mix32(Mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), the quantizer's
+// draws and the count sketch's cells (sketch_hash.h).
+HC_HOST_DEVICE inline uint32_t KeyedHash32(uint64_t key, int64_t i) {
   const uint64_t index = static_cast<uint64_t>(i);
-  const uint32_t h = Mix32(Mix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(base)) ^
-                           static_cast<uint32_t>(base >> 32) ^ static_cast<uint32_t>(index >> 32));
-  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 0x1p-24f;  // 24 bits: exact
+  return Mix32(Mix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32) ^
+               static_cast<uint32_t>(index >> 32));
+}
+
+HC_HOST_DEVICE inline float QuantizeUniform(uint64_t base, int64_t i) {
+  return static_cast<float>(static_cast<int32_t>(KeyedHash32(base, i) >> 8)) * 0x1p-24f;  // 24 bits: exact
 }
 
 // A block's (or a piece's) min, max and whether any element is NaN or +-Inf.

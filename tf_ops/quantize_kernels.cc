@@ -51,14 +51,6 @@ absl::Status CheckBits(int64_t bits) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HVD_COMPRESS_QUANTIZE_AVX2 1
-// Mix32 of 8 lanes.
-__attribute__((target("avx2"))) inline __m256i Mix32Avx2(__m256i x) {
-  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)), _mm256_set1_epi32(0x7feb352d));
-  x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
-                         _mm256_set1_epi32(static_cast<int32_t>(0x846ca68bu)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 // AVX-512 codes 16 elements at a time, with the same float32 operations per element (UseAvx512, blocks.h).
 const bool kHasAvx512 = UseAvx512();
@@ -188,14 +180,6 @@ __attribute__((target("avx2"))) bool CodeTileDrawnAvx2(const float* x, uint64_t 
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// Mix32 of 16 lanes.
-__attribute__((target("avx512f,avx512bw"))) inline __m512i Mix32Avx512(__m512i x) {
-  x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)), _mm512_set1_epi32(0x7feb352d));
-  x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)),
-                         _mm512_set1_epi32(static_cast<int32_t>(0x846ca68bu)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
 // CodeTileDrawnAvx2 16 elements at a time: the same draws, codes and residuals (CodeEight's operations in its
 // order; max(NaN, 0) is 0 here too, and codes in [0, 255] narrow to bytes exactly).
 __attribute__((target("avx512f,avx512bw"))) bool CodeTileDrawnAvx512(const float* x, uint64_t base, int64_t first,

@@ -1,5 +1,6 @@
 // The count-sketch hash: bucket and sign of coordinate i in row j, from the
-// seed alone (splitmix64 mixing, Lemire's multiply-shift range reduction).
+// seed alone (splitmix64 for the row's key, then a keyed 32-bit hash per coordinate and a multiply-shift range
+// reduction).
 // Must match sketch_hash in tests/np_reference.py. Integer arithmetic only, shared by the CPU kernels
 // (sketch_kernels.cc) and the GPU kernels (gpu/sketch_kernels.cu): __host__ __device__ under nvcc.
 #ifndef HVD_COMPRESS_TF_OPS_SKETCH_HASH_H_
@@ -34,13 +35,6 @@ struct BucketSign {
   float sign;
 };
 
-HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t cols) {
-  const uint64_t z = Mix64(row_key + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull);
-  const uint64_t high = z >> 32;
-  return {static_cast<int64_t>((high * static_cast<uint64_t>(cols)) >> 32),
-          (z & 1) ? -1.0f : 1.0f};
-}
-
 // A row wider than kRegionCols columns (16 KB of floats: a core's L1 cache) is cut into S = ceil(cols / kRegionCols)
 // regions of (nearly) equal width, and the n coordinates into S equal segments
 // of L = ceil(n / S): coordinate i hashes into the region of its segment,
@@ -48,6 +42,17 @@ HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t
 // time; every region has the load of the whole row (L coordinates into cols / S
 // columns). A row of at most kRegionCols columns is one region: the plain hash.
 constexpr int64_t kRegionCols = int64_t{1} << 12;
+
+// Coordinate i's column in a region of `width` <= kRegionCols columns and its sign, in the row of `row_key`: h =
+// KeyedHash32(row_key, i) (cores.h, the quantizer's draws: 32-bit multiplies only, so that 8 coordinates cost 4
+// vector multiplies on AVX2, where splitmix64's 64-bit multiplies cost three times as much), the column from h's
+// top 20 bits by a multiply-shift range reduction (((h >> 12) width) >> 20: exact in 32 bits for width <= 2^12,
+// each column within width / 2^20 of its share), the sign from its lowest bit.
+HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t width) {
+  static_assert(kRegionCols <= (int64_t{1} << 12), "SketchHash reduces 20 bits of the hash into a region's width");
+  const uint32_t h = KeyedHash32(row_key, i);
+  return {static_cast<int64_t>(((h >> 12) * static_cast<uint32_t>(width)) >> 20), (h & 1u) ? -1.0f : 1.0f};
+}
 
 struct Regions {
   int64_t count;        // S

@@ -35,117 +35,87 @@ using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // as in SketchHash
-
-// For coordinates [first, first + count) in the row of `row_key`: their
+// For coordinates [first, first + count) in the row of `row_key`, in a region of `width` columns: their
 // buckets, and sign * v[t] (v: count floats) unless signed_v is null, exactly as SketchHash computes them.
-inline void HashRangeScalar(uint64_t row_key, int64_t first, int64_t count, int64_t cols,
-                            const float* v, uint32_t* bucket, float* signed_v) {
+inline void HashRangeScalar(uint64_t row_key, int64_t first, int64_t count, int64_t width, const float* v,
+                            uint32_t* bucket, float* signed_v) {
   for (int64_t t = 0; t < count; ++t) {
-    const BucketSign h = SketchHash(row_key, first + t, cols);
+    const BucketSign h = SketchHash(row_key, first + t, width);
     bucket[t] = static_cast<uint32_t>(h.bucket);
     if (signed_v != nullptr) signed_v[t] = h.sign * v[t];
   }
 }
 
 #if defined(__x86_64__)
-// Low 64 bits of a * b per lane, for b with precomputed high halves.
-__attribute__((target("avx2"))) inline __m256i Mul64(__m256i a, __m256i b, __m256i b_hi) {
-  const __m256i lo = _mm256_mul_epu32(a, b);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
-                                         _mm256_mul_epu32(a, b_hi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
-
-// HashRangeScalar, four coordinates at a time (Mix64 and the multiply-shift
-// range reduction on 64-bit lanes; the sign as a multiplication by -1 or 1).
-__attribute__((target("avx2"))) void HashRangeAvx2(uint64_t row_key, int64_t first, int64_t count,
-                                                   int64_t cols, const float* v, uint32_t* bucket,
-                                                   float* signed_v) {
-  const __m256i c1 = _mm256_set1_epi64x(0xBF58476D1CE4E5B9ull);
-  const __m256i c1_hi = _mm256_srli_epi64(c1, 32);
-  const __m256i c2 = _mm256_set1_epi64x(0x94D049BB133111EBull);
-  const __m256i c2_hi = _mm256_srli_epi64(c2, 32);
-  const __m256i vcols = _mm256_set1_epi64x(cols);
-  const __m256i one = _mm256_set1_epi64x(1);
-  const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(4 * kGolden));
-  const __m256i low_dwords = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  const __m128 plus_one = _mm_set1_ps(1.0f), minus_two = _mm_set1_ps(-2.0f);
-  const uint64_t base = row_key + static_cast<uint64_t>(first) * kGolden;
-  __m256i z0 = _mm256_setr_epi64x(base, base + kGolden, base + 2 * kGolden, base + 3 * kGolden);
+// HashRangeScalar, 8 coordinates at a time (KeyedHash32 as the quantizer's AVX2 draws make it, the range reduction
+// in 32-bit lanes, the sign as a multiplication by -1 or 1), while hi32 of the coordinate stays the same; false
+// (nothing done) where it does not.
+__attribute__((target("avx2"))) bool HashRangeAvx2(uint64_t row_key, int64_t first, int64_t count, int64_t width,
+                                                   const float* v, uint32_t* bucket, float* signed_v) {
+  if ((static_cast<uint64_t>(first) >> 32) != (static_cast<uint64_t>(first + count - 1) >> 32)) return false;
+  const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(row_key));
+  const __m256i key_hi =
+      _mm256_set1_epi32(static_cast<int32_t>((row_key >> 32) ^ (static_cast<uint64_t>(first) >> 32)));
+  const __m256i columns = _mm256_set1_epi32(static_cast<int32_t>(width));
+  const __m256 plus_one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   int64_t t = 0;
-  for (; t + 4 <= count; t += 4) {
-    __m256i z = _mm256_xor_si256(z0, _mm256_srli_epi64(z0, 30));
-    z = Mul64(z, c1, c1_hi);
-    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 27));
-    z = Mul64(z, c2, c2_hi);
-    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-    const __m256i b = _mm256_srli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(z, 32), vcols), 32);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(bucket + t),
-                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, low_dwords)));
-    if (signed_v != nullptr) {
-      const __m128i negative =
-          _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_and_si256(z, one), low_dwords));
-      // 1 - 2 * negative is exactly 1.0f or -1.0f.
-      const __m128 sign = _mm_add_ps(plus_one, _mm_mul_ps(minus_two, _mm_cvtepi32_ps(negative)));
-      _mm_storeu_ps(signed_v + t, _mm_mul_ps(sign, _mm_loadu_ps(v + t)));
+  for (; t + 8 <= count; t += 8) {
+    const __m256i h = Mix32Avx2(_mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + t),
+                        _mm256_srli_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(h, 12), columns), 20));
+    if (signed_v != nullptr) {  // h's lowest bit moved to the top selects -1
+      const __m256 sign = _mm256_blendv_ps(plus_one, minus_one, _mm256_castsi256_ps(_mm256_slli_epi32(h, 31)));
+      _mm256_storeu_ps(signed_v + t, _mm256_mul_ps(sign, _mm256_loadu_ps(v + t)));
     }
-    z0 = _mm256_add_epi64(z0, step);
+    index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
-  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
+  HashRangeScalar(row_key, first + t, count - t, width, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
+  return true;
 }
 
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// HashRangeScalar, eight coordinates at a time with AVX-512's 64-bit multiplication.
-__attribute__((target("avx512f,avx512dq,avx512vl"))) void HashRangeAvx512(uint64_t row_key, int64_t first,
-                                                                           int64_t count, int64_t cols,
-                                                                           const float* v, uint32_t* bucket,
-                                                                           float* signed_v) {
-  const __m512i c1 = _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
-  const __m512i c2 = _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull));
-  const __m512i vcols = _mm512_set1_epi64(cols);
-  const __m512i one = _mm512_set1_epi64(1);
-  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden));
-  const __m256 plus_one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
-  const uint64_t base = row_key + static_cast<uint64_t>(first) * kGolden;
-  __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(base)),
-                                _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7),
-                                                   _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
+// HashRangeAvx2, 16 coordinates at a time.
+__attribute__((target("avx512f,avx512bw"))) bool HashRangeAvx512(uint64_t row_key, int64_t first, int64_t count,
+                                                                 int64_t width, const float* v, uint32_t* bucket,
+                                                                 float* signed_v) {
+  if ((static_cast<uint64_t>(first) >> 32) != (static_cast<uint64_t>(first + count - 1) >> 32)) return false;
+  const __m512i key_lo = _mm512_set1_epi32(static_cast<int32_t>(row_key));
+  const __m512i key_hi =
+      _mm512_set1_epi32(static_cast<int32_t>((row_key >> 32) ^ (static_cast<uint64_t>(first) >> 32)));
+  const __m512i columns = _mm512_set1_epi32(static_cast<int32_t>(width)), one = _mm512_set1_epi32(1);
+  const __m512 plus_one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
+  __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   int64_t t = 0;
-  for (; t + 8 <= count; t += 8) {
-    __m512i z = _mm512_mullo_epi64(_mm512_xor_si512(z0, _mm512_srli_epi64(z0, 30)), c1);
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
-    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-    const __m512i b = _mm512_srli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(z, 32), vcols), 32);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + t), _mm512_cvtepi64_epi32(b));
+  for (; t + 16 <= count; t += 16) {
+    const __m512i h = Mix32Avx512(_mm512_xor_si512(Mix32Avx512(_mm512_xor_si512(index, key_lo)), key_hi));
+    _mm512_storeu_si512(bucket + t, _mm512_srli_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(h, 12), columns), 20));
     if (signed_v != nullptr) {
-      const __m256 sign = _mm256_mask_blend_ps(_mm512_test_epi64_mask(z, one), plus_one, minus_one);
-      _mm256_storeu_ps(signed_v + t, _mm256_mul_ps(sign, _mm256_loadu_ps(v + t)));
+      const __m512 sign = _mm512_mask_blend_ps(_mm512_test_epi32_mask(h, one), plus_one, minus_one);
+      _mm512_storeu_ps(signed_v + t, _mm512_mul_ps(sign, _mm512_loadu_ps(v + t)));
     }
-    z0 = _mm512_add_epi64(z0, step);
+    index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
   }
-  HashRangeScalar(row_key, first + t, count - t, cols, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
+  HashRangeScalar(row_key, first + t, count - t, width, v + t, bucket + t, signed_v ? signed_v + t : nullptr);
+  return true;
 }
 #pragma GCC diagnostic pop
 #endif
 
-// Buckets and signed values of coordinates [first, first + count): see HashRangeScalar.
-inline void HashRange(uint64_t row_key, int64_t first, int64_t count, int64_t cols, const float* v,
+// Buckets and signed values of coordinates [first, first + count) in a region of `width` columns: see
+// HashRangeScalar.
+inline void HashRange(uint64_t row_key, int64_t first, int64_t count, int64_t width, const float* v,
                       uint32_t* bucket, float* signed_v) {
 #if defined(__x86_64__)
   static const bool avx512 = UseAvx512(), avx2 = __builtin_cpu_supports("avx2");
-  if (avx512 && cols <= 0xFFFFFFFFll) {
-    HashRangeAvx512(row_key, first, count, cols, v, bucket, signed_v);
-    return;
-  }
-  if (avx2 && cols <= 0xFFFFFFFFll) {
-    HashRangeAvx2(row_key, first, count, cols, v, bucket, signed_v);
-    return;
-  }
+  if (avx512 && HashRangeAvx512(row_key, first, count, width, v, bucket, signed_v)) return;
+  if (avx2 && HashRangeAvx2(row_key, first, count, width, v, bucket, signed_v)) return;
 #endif
-  HashRangeScalar(row_key, first, count, cols, v, bucket, signed_v);
+  HashRangeScalar(row_key, first, count, width, v, bucket, signed_v);
 }
 
 // HashRange for coordinates [first, first + count) under the regions r: each
