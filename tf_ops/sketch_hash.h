@@ -43,11 +43,12 @@ struct BucketSign {
 // columns). A row of at most kRegionCols columns is one region: the plain hash.
 constexpr int64_t kRegionCols = int64_t{1} << 12;
 
-// Coordinate i's column in a region of `width` <= kRegionCols columns and its sign, in the row of `row_key`: h =
-// KeyedHash32(row_key, i) (cores.h, the quantizer's draws: 32-bit multiplies only, so that 8 coordinates cost 4
-// vector multiplies on AVX2, where splitmix64's 64-bit multiplies cost three times as much), the column from h's
-// top 20 bits by a multiply-shift range reduction (((h >> 12) width) >> 20: exact in 32 bits for width <= 2^12,
-// each column within width / 2^20 of its share), the sign from its lowest bit.
+// Coordinate i's column in a region of `width` <= kRegionCols columns (a width from Regions, below) and its sign,
+// in the row of `row_key`: h = KeyedHash32(row_key, i) (cores.h, the quantizer's draws: 32-bit multiplies only, so
+// that 8 coordinates cost 5 vector multiplies on AVX2, 4 for h and 1 for the column, where splitmix64's 64-bit
+// multiplies cost three times as much), the column from h's top 20 bits by a multiply-shift range reduction
+// (((h >> 12) width) >> 20: exact in 32 bits for width <= 2^12, each column within width / 2^20 of its share), the
+// sign from its lowest bit.
 HC_HOST_DEVICE inline BucketSign SketchHash(uint64_t row_key, int64_t i, int64_t width) {
   static_assert(kRegionCols <= (int64_t{1} << 12), "SketchHash reduces 20 bits of the hash into a region's width");
   const uint32_t h = KeyedHash32(row_key, i);
