@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -89,8 +90,12 @@ def test_local_steps_are_timed_over_whole_sync_periods(tmp_path):
     for method, r in rows.items():
         assert [len(p["step_times_ms"]) for p in r["per_rank"]] == [20, 20], method
         assert -0.02 < r["wire_vs_accounted"] < r["control_vs_accounted_est"] + negotiation[method], (method, output)
+    # The sync of 16 MB is the last step of the period: above the inner steps' median by at least 40% of its ideal time
+    # on the link (measured +94 ms over a median of 129, the ideal 128 ms). Not above every inner step: on a loaded
+    # 2-core machine one inner step took 417 ms.
     times = rows["diloco"]["per_rank"][0]["step_times_ms"]
-    assert times[-1] > max(times[:-1]), times  # the sync of 16 MB: the last step of the period
+    link_ms = 1e3 * 8 * rows["diloco"]["fp32_allreduce"] / 1e9
+    assert times[-1] - statistics.median(times[:-1]) > 0.4 * link_ms, (link_ms, times)
     assert rows["diloco"]["accounted"] == pytest.approx(rows["diloco"]["fp32_allreduce"] / 20)
     assert rows["sparseloco"]["accounted"] < rows["diloco"]["accounted"] / 20  # top-k 1%: values and indices
 
