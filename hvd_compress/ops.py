@@ -336,7 +336,8 @@ def check_sketch_size(rows, cols):
 
 
 def count_sketch(x, rows, cols, seed=0, step=0):
-    """Count sketch of x (flattened), float32[rows, cols]: S[j, h_j(i)] += s_j(i) x_i.
+    """Count sketch of x, float32[rows, cols]: S[j, h_j(i)] += s_j(i) x_i. x is a tensor or a list of them (a
+    bucket's parts, read where they lie: the sketch of their concatenation, each flattened).
 
     Hashes and signs come from (seed, step, j, i) alone (tf_ops/sketch_hash.h),
     so every rank with the same seed and step builds compatible, summable
@@ -345,10 +346,13 @@ def count_sketch(x, rows, cols, seed=0, step=0):
     the coordinates into as many equal segments, each hashed into its own region
     (so the sketch is built one cache-sized region at a time).
     """
-    x = tf.convert_to_tensor(x)
-    check_float(x, "x")
+    parts = [tf.convert_to_tensor(p) for p in _tensors(x)]
+    for p in parts:
+        check_float(p, "x")
+    if len({p.dtype for p in parts}) > 1:
+        raise TypeError(f"x's parts must share one float type, got {[p.dtype.name for p in parts]}: cast them alike.")
     check_sketch_size(rows, cols)
-    return library().count_sketch(x, tf.cast(seed, tf.int64), tf.cast(step, tf.int64), rows=int(rows),
+    return library().count_sketch(parts, tf.cast(seed, tf.int64), tf.cast(step, tf.int64), rows=int(rows),
                                   cols=int(cols))
 
 
@@ -359,13 +363,14 @@ def count_sketch_query(sketch, n, seed=0, step=0):
 
 
 def count_sketch_top_k(sketch, x, k, seed=0, step=0):
-    """top_k_abs(count_sketch_query(sketch, n), k) of a one-row sketch, with x (float32, flattened; n its
-    size) at the selected coordinates: (values of x, int32 indices) in increasing index order, without
-    the n estimates (sketched SGD's candidates and the values its second round sums)."""
+    """top_k_abs(count_sketch_query(sketch, n), k) of a one-row sketch, with x (float32: a tensor, or a list of
+    them read as their concatenation, each flattened; n its size) at the selected coordinates: (values of x,
+    int32 indices) in increasing index order, without the n estimates (sketched SGD's candidates and the values
+    its second round sums)."""
     if sketch.shape.rank != 2 or sketch.shape[0] != 1:
         raise ValueError(f"count_sketch_top_k takes a one-row sketch [1, cols], got shape {sketch.shape}; "
                          "for more rows use top_k_abs(count_sketch_query(sketch, n), k).")
-    return library().count_sketch_top_k(sketch, tf.reshape(x, [-1]), tf.cast(k, tf.int32),
+    return library().count_sketch_top_k(sketch, [tf.reshape(p, [-1]) for p in _tensors(x)], tf.cast(k, tf.int32),
                                         tf.cast(seed, tf.int64), tf.cast(step, tf.int64))
 
 

@@ -49,7 +49,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from hvd_compress import ops
 from hvd_compress.compressor import EXCHANGE_FEEDBACK, MOMENTUM_IN_FRONT, StatefulCompressor, seed_key
-from hvd_compress.exchange import EncodedUpdate, Exchange, Exchanged, SparseMean, allreduce_bytes, concat, split
+from hvd_compress.exchange import EncodedUpdate, Exchange, Exchanged, SparseMean, allreduce_bytes, split, summed
 from hvd_compress.state import REPLICATED, StateSpec
 
 #: Sizes from a ratio (docs/algorithms.md, "Sketched SGD": measured on digits residuals).
@@ -177,21 +177,23 @@ class SketchCompressor(StatefulCompressor):
         FetchSGD always as step 0."""
         return seed_key(self.seed, salt)
 
-    def encode(self, flat, rows, cols, salt=0, step=0):
-        return ops.count_sketch(flat, rows, cols, self.hash_seed(salt), step)
+    def encode(self, parts, rows, cols, salt=0, step=0):
+        """The count sketch of a bucket's parts (tensors, read where they lie)."""
+        return ops.count_sketch(parts, rows, cols, self.hash_seed(salt), step)
 
     def estimate(self, sketch, num_elements, salt=0, step=0):
         return ops.count_sketch_query(sketch, num_elements, self.hash_seed(salt), step)
 
-    def heaviest(self, sketch, flat, count, salt=0, step=0):
-        """The `count` coordinates of largest |estimate| from the summed sketch, and this worker's flat
-        vector there: (values, int32 indices in increasing order). One row: count_sketch_top_k (the
+    def heaviest(self, sketch, parts, count, salt=0, step=0):
+        """The `count` coordinates of largest |estimate| from the summed sketch, and this worker's bucket (its
+        parts) there: (values, int32 indices in increasing order). One row: count_sketch_top_k (the
         estimate's magnitude is its cell's; no estimate of every coordinate is written); more: the
         median estimates, then their top-k."""
         if self.rows == 1:
-            return ops.count_sketch_top_k(sketch, flat, count, self.hash_seed(salt), step)
-        _, indices = ops.top_k_abs(self.estimate(sketch, flat.shape.num_elements(), salt, step), count)
-        return tf.gather(flat, indices), indices
+            return ops.count_sketch_top_k(sketch, parts, count, self.hash_seed(salt), step)
+        n = sum(p.shape.num_elements() for p in parts)
+        _, indices = ops.top_k_abs(self.estimate(sketch, n, salt, step), count)
+        return ops.gather_at(parts, indices), indices
 
     def buckets(self, indices, num_elements, rows, cols, salt=0, step=0):
         return ops.count_sketch_buckets(indices, num_elements, rows, cols, self.hash_seed(salt), step)
@@ -213,19 +215,19 @@ class SketchAllreduce(Exchange):
         self.collectives = 2 if compressor.second_round else 1  # the sketches, then the candidates' values
 
     def __call__(self, parts, state, step):
-        flat = concat(parts)
+        vector = summed(parts)  # the bucket's parts, never concatenated
         process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
-        summed = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt, step.number), op=hvd.Sum,
+        sketch = hvd.allreduce(self.compressor.encode(vector, self.rows, self.cols, salt, step.number), op=hvd.Sum,
                                process_set=process_set, name=name + ".sketch")
         if self.compressor.second_round:
-            local, candidates = self.compressor.heaviest(summed, flat, self.num_candidates, salt, step.number)
+            local, candidates = self.compressor.heaviest(sketch, vector, self.num_candidates, salt, step.number)
             values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
             applied = candidates
             if not self.compressor.apply_candidates:
                 values, chosen = ops.top_k_abs(values, self.k)
                 applied = tf.gather(candidates, chosen)
         else:
-            estimate = self.compressor.estimate(summed, self.n, salt, step.number)
+            estimate = self.compressor.estimate(sketch, self.n, salt, step.number)
             _, applied = ops.top_k_abs(estimate, self.k)
             values = tf.gather(estimate, applied)
         # e = a, zeroed where applied, in place; the mean of the applied sums stays sparse (subtracted from the
@@ -252,9 +254,8 @@ class SketchSpaceAllreduce(Exchange):
         return [state["sketch_error"] / math.sqrt(self.rows)]
 
     def __call__(self, parts, state, step):
-        flat = concat(parts)
         salt = self.bucket.index
-        sketch = hvd.allreduce(self.compressor.encode(flat, self.rows, self.cols, salt), op=hvd.Average,
+        sketch = hvd.allreduce(self.compressor.encode(summed(parts), self.rows, self.cols, salt), op=hvd.Average,
                                process_set=self.bucket.process_set, name=self.bucket.name + ".sketch")
         momentum = step.momentum * state["sketch_momentum"] + sketch
         pushed = step.momentum * momentum + sketch if step.nesterov else momentum

@@ -169,6 +169,31 @@ def test_top_k_of_a_large_sketch_is_top_k_abs_of_its_query():
     np.testing.assert_array_equal(values.numpy(), want_values)
 
 
+@settings(deadline=None, max_examples=25)
+@given(n=st.integers(1, 40_000), cols=st.integers(1, 9_000), rows=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([np.float32, np.float16]), data=st.data())
+def test_a_bucket_in_parts_is_sketched_and_selected_as_its_concatenation(n, cols, rows, dtype, data):
+    """A bucket's parts, read where they lie (some empty, some across regions and runs of 1024): the sketch and the
+    one-row top-k of their concatenation, bit for bit."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=5)))
+    x = np.random.default_rng(n).standard_normal(n).astype(dtype)
+    parts = [tf.constant(piece.reshape(2, -1) if piece.size % 2 == 0 and piece.size else piece)
+             for piece in np.split(x, cuts)]
+    sketch = ops.count_sketch(parts, rows, cols, seed=5, step=2)
+    np.testing.assert_array_equal(sketch.numpy(), ops.count_sketch(x, rows, cols, seed=5, step=2).numpy())
+    if rows == 1 and dtype == np.float32:
+        k = data.draw(st.integers(0, n))
+        values, indices = ops.count_sketch_top_k(sketch, parts, k, 5, 2)
+        want_values, want_indices = ops.count_sketch_top_k(sketch, x, k, 5, 2)
+        np.testing.assert_array_equal(indices.numpy(), want_indices.numpy())
+        np.testing.assert_array_equal(values.numpy(), want_values.numpy())
+
+
+def test_parts_of_different_types_are_refused():
+    with pytest.raises(TypeError, match="share one float type"):
+        ops.count_sketch([tf.zeros([3]), tf.zeros([3], tf.float16)], 1, 4)
+
+
 def test_top_k_of_a_sketch_refuses_more_rows_and_a_k_beyond_the_vector():
     with pytest.raises(ValueError, match="one-row sketch"):
         ops.count_sketch_top_k(tf.zeros([2, 10]), tf.zeros([20]), 3)

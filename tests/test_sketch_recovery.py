@@ -87,3 +87,23 @@ def test_sizes_spend_the_ratio_on_sketch_and_candidates():
         assert floats - 1 < ex.rows * ex.cols + ex.num_candidates <= floats
         assert ex.bytes_sent == 0  # one rank sends nothing
         assert hc.Compression.sketch(ratio=ratio).payload_bytes(D) == 4 * (ex.rows * ex.cols + ex.num_candidates)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_bucket_of_several_tensors_is_exchanged_as_its_concatenation(rows):
+    """The exchange reads a bucket's tensors where they lie (never concatenated): one row (the candidates straight
+    from the cells) or three (median estimates, then the worker's values gathered from the parts) apply the same
+    coordinates and leave the same residuals as for the bucket in one tensor."""
+    sizes = [60_000, 1, 29_999, 10_000]
+    x, _ = planted(500, 3)
+    compression = hc.Compression.sketch(ratio=4, rows=rows, seed=1)
+    whole = exchange.plan(compression, exchange.Bucket(0, [(D,)], 0, 1, hvd.global_process_set, "hc.test.whole"))
+    parts = exchange.plan(compression, exchange.Bucket(0, [(s,) for s in sizes], 0, 1, hvd.global_process_set,
+                                                       "hc.test.parts"))
+    info = exchange.StepInfo(tf.constant(7, tf.int64))
+    one = whole([tf.constant(x)], {}, info)
+    several = parts([tf.constant(p) for p in np.split(x, np.cumsum(sizes)[:-1])], {}, info)
+    np.testing.assert_array_equal(several.applied.numpy(), one.applied.numpy())
+    np.testing.assert_array_equal(np.concatenate([r.numpy() for r in several.residual]), one.residual[0].numpy())
+    np.testing.assert_array_equal(np.concatenate([u.numpy() for u in exchange.decoded(several.update, sizes)]),
+                                  exchange.decoded(one.update, [D])[0].numpy())  # the values the parts gave

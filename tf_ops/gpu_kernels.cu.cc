@@ -788,17 +788,32 @@ class CountSketchGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cols", &cols_));
   }
 
+  // The parts of x are copied into one vector on the device (the CPU kernel reads them where they lie).
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const int64_t n = x.NumElements();
-    OP_REQUIRES_OK(ctx, ScalarInputs(ctx, 1, 2, "seed and step"));
+    OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    int64_t n = 0;
+    for (int i = 0; i < xs.size(); ++i) n += xs[i].NumElements();
+    OP_REQUIRES_OK(ctx, ScalarInputs(ctx, xs.size(), xs.size() + 1, "seed and step"));
     OP_REQUIRES_OK(ctx, CheckSketchSizes(n, cols_));
     Tensor* sketch = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows_, cols_}), &sketch));
+    Tensor joined;
+    const Tensor* x = &xs[0];
+    if (xs.size() > 1) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(xs[0].dtype(), TensorShape({n}), &joined));
+      char* at = static_cast<char*>(joined.data());
+      for (int i = 0; i < xs.size(); ++i) {
+        HC_LAUNCH(ctx, CopyOnDevice, at, xs[i].data(), xs[i].TotalBytes(), StreamOf(ctx));
+        at += xs[i].TotalBytes();
+      }
+      x = &joined;
+    }
     Tensor workspace;
     OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_count_sketch_workspace_bytes(n, cols_), &workspace));
-    HC_LAUNCH(ctx, CountSketch, Ptr<const T>(x), n, ctx->input(1).scalar<int64_t>()(),
-              ctx->input(2).scalar<int64_t>()(), rows_, cols_, Ptr<float>(*sketch), workspace.data(), StreamOf(ctx));
+    HC_LAUNCH(ctx, CountSketch, Ptr<const T>(*x), n, ctx->input(xs.size()).scalar<int64_t>()(),
+              ctx->input(xs.size() + 1).scalar<int64_t>()(), rows_, cols_, Ptr<float>(*sketch), workspace.data(),
+              StreamOf(ctx));
   }
 
  private:
@@ -862,9 +877,14 @@ class CountSketchTopKGpuOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& sketch = ctx->input(0);
-    const Tensor& x = ctx->input(1);
     int64_t n = 0, k = 0;
     OP_REQUIRES_OK(ctx, checks::SketchTopKInputs(ctx, &n, &k));
+    OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    Parts<const float*> parts;
+    for (int i = 0; i < xs.size(); ++i) parts.Add(xs[i]);
+    const int64_t seed = ctx->input(xs.size() + 2).scalar<int64_t>()();
+    const int64_t step = ctx->input(xs.size() + 3).scalar<int64_t>()();
     OP_REQUIRES_OK(ctx, CheckSketchSizes(n, sketch.dim_size(1)));
     Tensor *values = nullptr, *indices = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
@@ -873,17 +893,15 @@ class CountSketchTopKGpuOp : public OpKernel {
     Tensor estimate, selected, workspace, gather_workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({n}), &estimate));
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({k}), &selected));
-    HC_LAUNCH(ctx, hc_count_sketch_query, Ptr<const float>(sketch), 1, sketch.dim_size(1), n,
-              ctx->input(3).scalar<int64_t>()(), ctx->input(4).scalar<int64_t>()(), Ptr<float>(estimate),
-              StreamOf(ctx));
+    HC_LAUNCH(ctx, hc_count_sketch_query, Ptr<const float>(sketch), 1, sketch.dim_size(1), n, seed, step,
+              Ptr<float>(estimate), StreamOf(ctx));
     const void* estimates[] = {estimate.data()};
     OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_top_k_abs_workspace_bytes(&n, 1), &workspace));
     HC_LAUNCH(ctx, TopKAbs, estimates, &n, 1, k, Ptr<float>(selected), Ptr<int32_t>(*indices), workspace.data(),
               StreamOf(ctx));
-    const float* xs[] = {Ptr<const float>(x)};
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_parts_workspace_bytes(1), &gather_workspace));
-    HC_LAUNCH(ctx, hc_gather_at, xs, &n, 1, Ptr<const int32_t>(*indices), k, Ptr<float>(*values),
-              gather_workspace.data(), StreamOf(ctx));
+    OP_REQUIRES_OK(ctx, AllocateWorkspace(ctx, hc_parts_workspace_bytes(parts.count()), &gather_workspace));
+    HC_LAUNCH(ctx, hc_gather_at, parts.pointers.data(), parts.sizes.data(), parts.count(),
+              Ptr<const int32_t>(*indices), k, Ptr<float>(*values), gather_workspace.data(), StreamOf(ctx));
   }
 };
 

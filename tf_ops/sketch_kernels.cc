@@ -164,6 +164,23 @@ void HashSegments(OpKernelContext* ctx, const Regions& r, int64_t n, uint64_t ro
   });
 }
 
+// The tensors of a list input (a bucket's parts, read where they lie) as one vector of T: each one's elements and
+// where each starts.
+template <typename T>
+struct ListParts {
+  std::vector<const T*> data;
+  PartIndex where;
+
+  explicit ListParts(const tensorflow::OpInputList& list) : where(SizesOf(list)) {
+    for (int k = 0; k < list.size(); ++k) data.push_back(list[k].flat<T>().data());
+  }
+  static std::vector<int64_t> SizesOf(const tensorflow::OpInputList& list) {
+    std::vector<int64_t> sizes;
+    for (int k = 0; k < list.size(); ++k) sizes.push_back(list[k].NumElements());
+    return sizes;
+  }
+};
+
 template <typename T>
 class CountSketchOp : public OpKernel {
  public:
@@ -173,14 +190,18 @@ class CountSketchOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x_tensor = ctx->input(0);
-    const int64_t n = x_tensor.NumElements();
-    OP_REQUIRES(ctx, ctx->input(1).dims() == 0 && ctx->input(2).dims() == 0,
+    tensorflow::OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    const ListParts<T> x(xs);
+    const PartIndex& where = x.where;
+    const int64_t n = where.total();
+    const Tensor& seed_tensor = ctx->input(xs.size());
+    const Tensor& step_tensor = ctx->input(xs.size() + 1);
+    OP_REQUIRES(ctx, seed_tensor.dims() == 0 && step_tensor.dims() == 0,
                 InvalidArgument("seed and step must be scalars"));
-    const int64_t seed = SketchSeed(ctx->input(1).scalar<int64_t>()(), ctx->input(2).scalar<int64_t>()());
+    const int64_t seed = SketchSeed(seed_tensor.scalar<int64_t>()(), step_tensor.scalar<int64_t>()());
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows_, cols_}), &out));
-    const T* x = x_tensor.flat<T>().data();
     float* sketch = out->flat<float>().data();
     const Regions regions = RegionsOf(n, cols_);
     for (int64_t j = 0; j < rows_; ++j) {  // each region's segment, in increasing i, into the region
@@ -189,7 +210,14 @@ class CountSketchOp : public OpKernel {
                    [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float* sign) {
                      float* region = row + regions.First(s);
                      if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0.0f);
-                     for (int64_t t = 0; t < len; ++t) region[bucket[t]] += sign[t] * static_cast<float>(x[a + t]);
+                     where.ForEachPartIn(a, a + len, [&](int64_t part, int64_t at, int64_t lo, int64_t length) {
+                       const T* values = x.data[part] + at;
+                       const uint32_t* cells = bucket + (lo - a);
+                       const float* signs = sign + (lo - a);
+                       for (int64_t t = 0; t < length; ++t) {
+                         region[cells[t]] += signs[t] * static_cast<float>(values[t]);
+                       }
+                     });
                      return true;
                    });
       for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
@@ -271,6 +299,82 @@ class CountSketchQueryOp : public OpKernel {
   }
 };
 
+// CountSketchTopK's selection over one run of a region's coordinates a .. a + len - 1 (bucket[t]: coordinate
+// a + t's column in the region): a coordinate is taken where its cell's key is above the threshold, or at it while
+// *ties > 0 (each such one takes a tie, in index order); the taken coordinates are written to stage in index order
+// (len entries are room enough), their number returned and *ties left with what remains. Every coordinate is staged
+// at `taken`, which only a taken one advances (no branch to mispredict).
+inline int64_t SelectRunScalar(const float* region, const uint32_t* bucket, int64_t a, int64_t len,
+                               uint32_t threshold, int64_t* ties, int32_t* stage) {
+  int64_t left = *ties, taken = 0;
+  for (int64_t t = 0; t < len; ++t) {
+    const uint32_t key = AbsKey(region[bucket[t]]);
+    const bool tie = key == threshold && left > 0;
+    left -= tie;
+    stage[taken] = static_cast<int32_t>(a + t);
+    taken += key > threshold || tie;
+  }
+  *ties = left;
+  return taken;
+}
+
+#if defined(__x86_64__)
+// For each 8-bit mask, its set lanes first, in order: a compress of 8 lanes by _mm256_permutevar8x32_epi32 (AVX2
+// has no compress store).
+struct CompressLanes {
+  alignas(32) int32_t lanes[256][8];
+  constexpr CompressLanes() : lanes() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int k = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if ((mask >> lane) & 1) lanes[mask][k++] = lane;
+      }
+    }
+  }
+};
+constexpr CompressLanes kCompressLanes;
+
+// SelectRunScalar 8 coordinates at a time from their cells' keys (keys[t], read beforehand by scalar loads: AVX2's
+// gather instead made the whole op 13% slower on an AMD Zen 3): those above the threshold compressed into stage; 8 that hold a key at the
+// threshold while ties remain go through SelectRunScalar, in order. Keys and the threshold are below 2^31, so the
+// signed compare orders them as AbsKey does.
+__attribute__((target("avx2,popcnt"))) int64_t SelectKeysAvx2(const uint32_t* keys, const float* region,
+                                                              const uint32_t* bucket, int64_t a, int64_t len,
+                                                              uint32_t threshold, int64_t* ties, int32_t* stage) {
+  const __m256i at = _mm256_set1_epi32(static_cast<int32_t>(threshold));
+  __m256i index =
+      _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(a)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t taken = 0, t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256i key = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + t));
+    if (*ties > 0 && _mm256_movemask_epi8(_mm256_cmpeq_epi32(key, at)) != 0) {
+      taken += SelectRunScalar(region, bucket + t, a + t, 8, threshold, ties, stage + taken);
+    } else {
+      const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, at)));
+      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompressLanes.lanes[mask]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(stage + taken), _mm256_permutevar8x32_epi32(index, lanes));
+      taken += __builtin_popcount(static_cast<unsigned>(mask));
+    }
+    index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+  }
+  return taken + SelectRunScalar(region, bucket + t, a + t, len - t, threshold, ties, stage + taken);
+}
+#endif
+
+// SelectRunScalar, with AVX2 where the CPU has it (the same coordinates; len <= kRun).
+inline int64_t SelectRun(const float* region, const uint32_t* bucket, int64_t a, int64_t len, uint32_t threshold,
+                         int64_t* ties, int32_t* stage) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    uint32_t keys[kRun];
+    for (int64_t t = 0; t < len; ++t) keys[t] = AbsKey(region[bucket[t]]);
+    return SelectKeysAvx2(keys, region, bucket, a, len, threshold, ties, stage);
+  }
+#endif
+  return SelectRunScalar(region, bucket, a, len, threshold, ties, stage);
+}
+
 // CountSketchTopK: top_k_abs(count_sketch_query(sketch, n)) of a one-row sketch, and x at the selected
 // coordinates (sketched SGD's candidates and their values), without writing the n estimates. With one
 // row |estimate_i| = |S[h(i)]| (the sign only flips it), so every coordinate hashed to a cell has the
@@ -285,17 +389,20 @@ class CountSketchTopKOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& sketch_tensor = ctx->input(0);
-    const Tensor& x_tensor = ctx->input(1);
     int64_t n = 0, k = 0;
     OP_REQUIRES_OK(ctx, checks::SketchTopKInputs(ctx, &n, &k));
+    tensorflow::OpInputList xs;
+    OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
+    const ListParts<float> x(xs);
+    const PartIndex& where = x.where;
     const int64_t cols = sketch_tensor.dim_size(1);
-    const int64_t seed = SketchSeed(ctx->input(3).scalar<int64_t>()(), ctx->input(4).scalar<int64_t>()());
+    const int64_t seed =
+        SketchSeed(ctx->input(xs.size() + 2).scalar<int64_t>()(), ctx->input(xs.size() + 3).scalar<int64_t>()());
     Tensor *values_tensor = nullptr, *indices_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices_tensor));
     if (k == 0) return;
     const float* row = sketch_tensor.flat<float>().data();
-    const float* x = x_tensor.flat<float>().data();
     float* values = values_tensor->flat<float>().data();
     int32_t* indices = indices_tensor->flat<int32_t>().data();
     const Regions regions = RegionsOf(n, cols);
@@ -345,23 +452,16 @@ class CountSketchTopKOp : public OpKernel {
     std::vector<int64_t> end(out.begin() + 1, out.end());
     HashSegments(ctx, regions, n, row_key, /*signs=*/false, 10,
                  [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float*) {
-      // Every coordinate of the chunk is staged at `taken`, which only a selected one advances (no branch
-      // to mispredict), then the selected ones are copied out.
+      // The run's selected coordinates are staged, then copied out.
       int32_t stage[kRun];
       const float* region = row + regions.First(s);
       if (a == s * regions.per_segment) WarmUp(region, regions.Width(s));
-      int64_t ties = ties_left[s], taken = 0;
-      for (int64_t t = 0; t < len; ++t) {
-        const uint32_t key = AbsKey(region[bucket[t]]);
-        const bool tie = key == threshold && ties > 0;
-        ties -= tie;
-        stage[taken] = static_cast<int32_t>(a + t);
-        taken += key > threshold || tie;
-      }
-      taken = std::min(taken, end[s] - out[s]);
-      for (int64_t t = 0; t < taken; ++t) {
+      int64_t ties = ties_left[s];
+      const int64_t taken = std::min(SelectRun(region, bucket, a, len, threshold, &ties, stage), end[s] - out[s]);
+      for (int64_t t = 0, part = where.PartOf(a); t < taken; ++t) {  // (staged in increasing order)
+        while (stage[t] >= where.start(part + 1)) ++part;
         indices[out[s] + t] = stage[t];
-        values[out[s] + t] = x[stage[t]];
+        values[out[s] + t] = x.data[part][stage[t] - where.start(part)];
       }
       out[s] += taken;
       ties_left[s] = ties;

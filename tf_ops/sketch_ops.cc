@@ -14,16 +14,19 @@ using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
 REGISTER_OP("CountSketch")
-    .Input("x: T")
+    .Input("xs: N * T")
     .Input("seed: int64")
     .Input("step: int64")
     .Output("sketch: float")
+    .Attr("N: int >= 1")
     .Attr("T: {float, half, bfloat16}")
     .Attr("rows: int >= 1")
     .Attr("cols: int >= 1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
-      for (int i = 1; i <= 2; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      for (int i = c->num_inputs() - 2; i < c->num_inputs(); ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      }
       int64_t rows, cols;
       TF_RETURN_IF_ERROR(c->GetAttr("rows", &rows));
       TF_RETURN_IF_ERROR(c->GetAttr("cols", &cols));
@@ -31,8 +34,9 @@ REGISTER_OP("CountSketch")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Count sketch of x (flattened): sketch[j, h_j(i)] += s_j(i) * x[i], summed in
-float32 in increasing i. Linear in x. Hashes and signs from the scalars seed and
+Count sketch of x, the concatenation of xs (each flattened; a bucket's parts where
+they lie, never copied into one vector): sketch[j, h_j(i)] += s_j(i) * x[i],
+summed in float32 in increasing i. Linear in x. Hashes and signs from the scalars seed and
 step (SketchSeed in sketch_hash.h).
 )doc");
 
@@ -59,18 +63,20 @@ middle values).
 
 REGISTER_OP("CountSketchTopK")
     .Input("sketch: float")
-    .Input("x: float")
+    .Input("xs: N * float")
     .Input("k: int32")
     .Input("seed: int64")
     .Input("step: int64")
     .Output("values: float")
     .Output("indices: int32")
+    .Attr("N: int >= 1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle sketch, unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &sketch));
-      for (int i = 2; i <= 4; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      const int k_input = c->num_inputs() - 3;
+      for (int i = k_input; i < c->num_inputs(); ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
       DimensionHandle k;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &k));
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(k_input, &k));
       c->set_output(0, c->Vector(k));
       c->set_output(1, c->Vector(k));
       return absl::OkStatus();
@@ -78,7 +84,8 @@ REGISTER_OP("CountSketchTopK")
     .Doc(R"doc(
 The k coordinates i < n = size(x) of largest |estimate| of a one-row sketch
 (TopKAbs of CountSketchQuery(sketch, n): increasing index order, ties to the
-lower index) and x (flattened) at them, without the n estimates.
+lower index) and x at them, without the n estimates; x is the concatenation of
+xs (each flattened).
 )doc");
 
 REGISTER_OP("CountSketchBuckets")
