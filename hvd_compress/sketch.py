@@ -215,12 +215,12 @@ class SketchAllreduce(Exchange):
         self.collectives = 2 if compressor.second_round else 1  # the sketches, then the candidates' values
 
     def __call__(self, parts, state, step):
-        vector = summed(parts)  # the bucket's parts, never concatenated
+        tensors = summed(parts)  # the bucket's parts, never concatenated
         process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
-        sketch = hvd.allreduce(self.compressor.encode(vector, self.rows, self.cols, salt, step.number), op=hvd.Sum,
+        sketch = hvd.allreduce(self.compressor.encode(tensors, self.rows, self.cols, salt, step.number), op=hvd.Sum,
                                process_set=process_set, name=name + ".sketch")
         if self.compressor.second_round:
-            local, candidates = self.compressor.heaviest(sketch, vector, self.num_candidates, salt, step.number)
+            local, candidates = self.compressor.heaviest(sketch, tensors, self.num_candidates, salt, step.number)
             values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
             applied = candidates
             if not self.compressor.apply_candidates:

@@ -335,9 +335,9 @@ struct CompressLanes {
 constexpr CompressLanes kCompressLanes;
 
 // SelectRunScalar 8 coordinates at a time from their cells' keys (keys[t], read beforehand by scalar loads: AVX2's
-// gather instead made the whole op 13% slower on an AMD Zen 3): those above the threshold compressed into stage; 8 that hold a key at the
-// threshold while ties remain go through SelectRunScalar, in order. Keys and the threshold are below 2^31, so the
-// signed compare orders them as AbsKey does.
+// gather instead made the whole op 13% slower on an AMD Zen 3): those above the threshold compressed into stage; 8
+// that hold a key at the threshold while ties remain go through SelectRunScalar, in order. Keys and the threshold
+// are below 2^31, so the signed compare orders them as AbsKey does.
 __attribute__((target("avx2,popcnt"))) int64_t SelectKeysAvx2(const uint32_t* keys, const float* region,
                                                               const uint32_t* bucket, int64_t a, int64_t len,
                                                               uint32_t threshold, int64_t* ties, int32_t* stage) {
@@ -365,7 +365,7 @@ __attribute__((target("avx2,popcnt"))) int64_t SelectKeysAvx2(const uint32_t* ke
 inline int64_t SelectRun(const float* region, const uint32_t* bucket, int64_t a, int64_t len, uint32_t threshold,
                          int64_t* ties, int32_t* stage) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
   if (avx2) {
     uint32_t keys[kRun];
     for (int64_t t = 0; t < len; ++t) keys[t] = AbsKey(region[bucket[t]]);
