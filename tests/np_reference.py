@@ -298,7 +298,7 @@ def sketch_hash(seed, row, n, cols, step=0):
         seed = np.array([seed], np.int64).astype(np.uint64) + np.uint64(step) * np.uint64(0x632BE59BD9B4E019)
         key = _mix64(seed * np.uint64(0x9E3779B97F4A7C15)
                      + np.array([row + 1], np.uint64) * np.uint64(0xD1B54A32D192ED03))
-    h = keyed_hash32(int(key[0]), n)
+    h = keyed_hash32(int(key[0]), np.arange(n))
     regions = -(-cols // REGION_COLS)
     segment = np.arange(n, dtype=np.int64) // max(1, -(-n // regions))
     first = segment * cols // regions
@@ -405,10 +405,11 @@ def _mix32(x):
     return x ^ (x >> np.uint32(16))
 
 
-def keyed_hash32(key, n):
-    """uint32[n]: the hashes of 0..n-1 under the 64-bit key K, mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)),
-    as KeyedHash32 in tf_ops/cores.h (the quantizer's draws and the count sketch's cells)."""
-    index = np.arange(n, dtype=np.uint64)
+def keyed_hash32(key, index):
+    """uint32: the hashes of the indices `index` (an int array) under the 64-bit key K,
+    mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), as KeyedHash32 in tf_ops/cores.h (the quantizer's draws and
+    the count sketch's cells)."""
+    index = np.asarray(index).astype(np.uint64)
     with np.errstate(over="ignore"):
         low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
         high = (index >> np.uint64(32)).astype(np.uint32) ^ np.uint32(key >> 32)
@@ -417,14 +418,17 @@ def keyed_hash32(key, n):
 
 def quantize_uniforms(seed, n):
     """float32[n]: the stochastic draws u_i in [0, 1) of elements 0..n-1 for seed = (key, counter):
-    K = splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F), then
-    (keyed_hash32(K, i) >> 8) * 2^-24."""
+    K = splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F); two elements share a hash, 16 bits
+    each: h = keyed_hash32(K, 8 floor(i / 16) + i mod 8), u_i = (h >> 16 where i mod 16 < 8, else h & 0xFFFF) * 2^-16."""
     key, counter = np.asarray(seed, np.int64).reshape(2).view(np.uint64)
     with np.errstate(over="ignore"):
         base = np.array([key], np.uint64) * QUANTIZE_GOLDEN ^ np.array([counter], np.uint64) * np.uint64(
             0xC2B2AE3D27D4EB4F)
         k = _mix64(base + QUANTIZE_GOLDEN)[0]
-    return (keyed_hash32(int(k), n) >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+    i = np.arange(n, dtype=np.int64)
+    h = keyed_hash32(int(k), (i >> 4 << 3) | (i & 7))
+    half = np.where((i & 8) == 0, h >> np.uint32(16), h & np.uint32(0xFFFF))
+    return half.astype(np.float32) * np.float32(2.0**-16)
 
 
 def quantize_params(x, bounds, bits):

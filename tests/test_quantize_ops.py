@@ -208,6 +208,7 @@ def test_stochastic_draws_repeat_with_the_seed_only():
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005
     assert abs(np.corrcoef(u, ref.quantize_uniforms((3, 10), u.size))[0, 1]) < 0.02
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02  # neighbouring elements
+    assert abs(np.corrcoef(u[:-8], u[8:])[0, 1]) < 0.02  # the two halves of one hash
     counts = np.bincount((u * 64).astype(int), minlength=64)  # 64 bins of ~1562 +- 39
     assert np.all(np.abs(counts - u.size / 64) < 5 * np.sqrt(u.size / 64))
 

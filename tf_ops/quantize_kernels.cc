@@ -154,58 +154,77 @@ void CodeTile(const float* x, const float* add, int64_t len, const QuantizeParam
 }
 
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
-// CodeTile with the draws of elements first, first + 1, ... made in registers (UniformsAvx2's arithmetic),
-// while hi32 of the index stays the same; false (nothing done) where it does not.
-__attribute__((target("avx2"))) bool CodeTileDrawnAvx2(const float* x, uint64_t base, int64_t first, int64_t len,
+// The draws of 16 elements from the 8 hashes whose first index is `index` (QuantizeUniform's halves): high halves
+// for the first 8 elements, low halves for the next 8.
+struct DrawsOfSixteen {
+  __m256i high, low;
+};
+
+__attribute__((target("avx2"))) inline DrawsOfSixteen DrawSixteen(__m256i index, __m256i key_lo, __m256i key_hi) {
+  const __m256i h = Mix32Avx2(_mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi));
+  return {_mm256_srli_epi32(h, 16), _mm256_and_si256(h, _mm256_set1_epi32(0xffff))};
+}
+
+// Elements [first, first + head) are coded one at a time, so that the vector loops start at a multiple of 16, where
+// a hash's two halves serve elements 8 apart; the loops run while hi32 of the hashes' index stays the same (head =
+// len where it does not).
+inline int64_t DrawHead(int64_t first, int64_t len) {
+  const int64_t head = std::min(len, (16 - first % 16) % 16);
+  const uint64_t from = static_cast<uint64_t>(QuantizeDrawHash(first + head)) >> 32;
+  return from == static_cast<uint64_t>(QuantizeDrawHash(first + len - 1)) >> 32 ? head : len;
+}
+
+// CodeTile with the draws of elements first, first + 1, ... made in registers, 16 at a time.
+__attribute__((target("avx2"))) void CodeTileDrawnAvx2(const float* x, uint64_t base, int64_t first, int64_t len,
                                                        const QuantizeParams& p, float levels, uint8_t* q,
                                                        float* residual) {
-  if ((static_cast<uint64_t>(first) >> 32) != (static_cast<uint64_t>(first + len - 1) >> 32)) return false;
+  int64_t i = DrawHead(first, len);
+  for (int64_t l = 0; l < i; ++l) CodeOne(x[l], QuantizeUniform(base, first + l), p, levels, q + l, residual + l);
+  const uint64_t start = static_cast<uint64_t>(QuantizeDrawHash(first + i));
   const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(base));
-  const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (static_cast<uint64_t>(first) >> 32)));
-  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)),
+  const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (start >> 32)));
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(start)),
                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    const __m256i h = Mix32Avx2(_mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi));
-    CodeEight(x + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f)), p, levels,
-              q + i, residual + i);
+  const __m256 unit = _mm256_set1_ps(0x1p-16f);
+  for (; i + 16 <= len; i += 16) {
+    const DrawsOfSixteen u = DrawSixteen(index, key_lo, key_hi);
+    CodeEight(x + i, _mm256_mul_ps(_mm256_cvtepi32_ps(u.high), unit), p, levels, q + i, residual + i);
+    CodeEight(x + i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(u.low), unit), p, levels, q + i + 8, residual + i + 8);
     index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
   for (; i < len; ++i) CodeOne(x[i], QuantizeUniform(base, first + i), p, levels, q + i, residual + i);
-  return true;
 }
-#endif
 
-#if defined(HVD_COMPRESS_QUANTIZE_AVX2)
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// CodeTileDrawnAvx2 16 elements at a time: the same draws, codes and residuals (CodeEight's operations in its
-// order; max(NaN, 0) is 0 here too, and codes in [0, 255] narrow to bytes exactly).
-__attribute__((target("avx512f,avx512bw"))) bool CodeTileDrawnAvx512(const float* x, uint64_t base, int64_t first,
+// CodeTileDrawnAvx2 with the 16 elements in one vector: the same draws, codes and residuals (CodeEight's operations
+// in its order; max(NaN, 0) is 0 here too, and codes in [0, 255] narrow to bytes exactly).
+__attribute__((target("avx512f,avx512bw"))) void CodeTileDrawnAvx512(const float* x, uint64_t base, int64_t first,
                                                                     int64_t len, const QuantizeParams& p,
                                                                     float levels, uint8_t* q, float* residual) {
-  if ((static_cast<uint64_t>(first) >> 32) != (static_cast<uint64_t>(first + len - 1) >> 32)) return false;
-  const __m512i key_lo = _mm512_set1_epi32(static_cast<int32_t>(base));
-  const __m512i key_hi = _mm512_set1_epi32(static_cast<int32_t>((base >> 32) ^ (static_cast<uint64_t>(first) >> 32)));
-  __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
-                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  int64_t i = DrawHead(first, len);
+  for (int64_t l = 0; l < i; ++l) CodeOne(x[l], QuantizeUniform(base, first + l), p, levels, q + l, residual + l);
+  const uint64_t start = static_cast<uint64_t>(QuantizeDrawHash(first + i));
+  const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(base));
+  const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (start >> 32)));
+  __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(start)),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m512 offset = _mm512_set1_ps(p.offset), inv = _mm512_set1_ps(p.inv), scale = _mm512_set1_ps(p.scale);
-  const __m512 top = _mm512_set1_ps(levels), unit = _mm512_set1_ps(0x1p-24f);
-  int64_t i = 0;
+  const __m512 top = _mm512_set1_ps(levels), unit = _mm512_set1_ps(0x1p-16f);
   for (; i + 16 <= len; i += 16) {
-    const __m512i h = Mix32Avx512(_mm512_xor_si512(Mix32Avx512(_mm512_xor_si512(index, key_lo)), key_hi));
-    const __m512 add = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), unit);
+    const DrawsOfSixteen u = DrawSixteen(index, key_lo, key_hi);
+    const __m512 add = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(u.high), u.low, 1)),
+                                     unit);
     const __m512 v = _mm512_loadu_ps(x + i);
     __m512 f = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, offset), inv), add),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     f = _mm512_min_ps(_mm512_max_ps(f, _mm512_setzero_ps()), top);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(f)));
     _mm512_storeu_ps(residual + i, _mm512_sub_ps(v, _mm512_add_ps(offset, _mm512_mul_ps(f, scale))));
-    index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
   for (; i < len; ++i) CodeOne(x[i], QuantizeUniform(base, first + i), p, levels, q + i, residual + i);
-  return true;
 }
 #pragma GCC diagnostic pop
 #endif
@@ -224,9 +243,11 @@ void CodePiece(const float* x, float* residual, int64_t begin, int64_t end, cons
     bool coded = false;
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
     if (kStochastic && kHasAvx512) {
-      coded = CodeTileDrawnAvx512(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
+      CodeTileDrawnAvx512(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
+      coded = true;
     } else if (kStochastic && kHasAvx2) {
-      coded = CodeTileDrawnAvx2(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
+      CodeTileDrawnAvx2(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
+      coded = true;
     }
 #endif
     if (!coded) {
