@@ -90,7 +90,7 @@ hc.DistributedOptimizer; sgp is hc.PushSumOptimizer. This benchmark's own
 overlapping the next step, over MPI's point-to-point transport, and both
 (launch.GOSSIP_VARIANTS; the _mpi ones need --launcher=mpi); topk_4x (top-k at the sketches' bytes on 2 ranks, 1/8
 of the coordinates); onebit_oneway_b256 (onebit one-way with a scale per 256
-elements); accordion_critical and accordion_calm are Accordion's
+elements); quantize2 (2-bit quantization); accordion_critical and accordion_calm are Accordion's
 PowerSGD rank 4 <-> 1 with every layer in the critical (rank 4) or the calm
 (rank 1) regime, the regime detector's accumulation included. hier_<name> (HIERARCHICAL): <name> with
 hierarchical=True, averaged inside each host and compressed across hosts; hier_none is Horovod's
@@ -125,6 +125,9 @@ VARIANTS = {
     "topk_4x": ("topk", dict(ratio=1 / 8)),
     # 1-bit Adam's setting that kept AdamW's accuracy on the transformer (2 ranks): one-way, a scale per 256 elements.
     "onebit_oneway_b256": ("onebit", dict(two_way=False, block_size=256)),
+    # 2-bit blockwise quantization: under AdamW, Adam with its variance frozen after the warm-up and the gradient in
+    # 2 bits, error-fed (1/14 of fp32's bytes, twice 1-bit Adam's)
+    "quantize2": ("quantize8", dict(bits=2)),
     # SGP overlapping the next step, and either sending point to point (--launcher=mpi)
     **launch.GOSSIP_VARIANTS,
     # DiLoCo and SparseLoCo on runs of a few hundred steps: more syncs, or a plain average (outer rate 1, no momentum)

@@ -56,7 +56,7 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 const bool kHasAvx512 = UseAvx512();
 #endif
 
-// out[l] = u_(first + l) for l in [0, len) (CodeTileDrawnAvx2 makes them in registers where it can).
+// out[l] = u_(first + l) for l in [0, len), where the CPU has no AVX2 (CodeTileDrawnAvx2 draws in registers).
 void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
   for (int64_t l = 0; l < len; ++l) out[l] = QuantizeUniform(base, first + l);
 }
