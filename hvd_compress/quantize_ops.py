@@ -13,7 +13,7 @@ with inv = L / (max - min); a block holding a NaN or an Inf (or whose range
 overflows float32) gets scale = offset = NaN, so it decodes to NaN. Codes are
 packed LSB first, element i at bits [i*bits, (i+1)*bits) of ceil(n*bits/8)
 bytes, so a shard starting at a multiple of 8 elements starts at a whole byte.
-The stochastic draws u_i in [0, 1) are a counter-based hash (two rounds of a 32-bit hash) of the
+The stochastic draws u_i in [0, 1) are a counter-based hash (one round of a 32-bit hash, 16 bits a draw) of the
 seed (key, counter) and the element's index i in x: the same seed gives the
 same draws, so give each step (and each rank) its own counter or key. The full
 format, bit for bit, is in tf_ops/quantize_ops.cc; tests/np_reference.py

@@ -407,8 +407,7 @@ def _mix32(x):
 
 def keyed_hash32(key, index):
     """uint32: the hashes of the indices `index` (an int array) under the 64-bit key K,
-    mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), as KeyedHash32 in tf_ops/cores.h (the quantizer's draws and
-    the count sketch's cells)."""
+    mix32(mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), as KeyedHash32 in tf_ops/cores.h (the count sketch's cells)."""
     index = np.asarray(index).astype(np.uint64)
     with np.errstate(over="ignore"):
         low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
@@ -416,17 +415,27 @@ def keyed_hash32(key, index):
         return _mix32(_mix32(low) ^ high)
 
 
+def quantize_hash32(key, index):
+    """uint32: the quantizer's draws' hashes of the indices `index` under the 64-bit key K,
+    mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j), as QuantizeHash32 in tf_ops/cores.h (one round)."""
+    index = np.asarray(index).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        low = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ np.uint32(key & 0xFFFFFFFF)
+        high = (index >> np.uint64(32)).astype(np.uint32) ^ np.uint32(key >> 32)
+        return _mix32(low) ^ high
+
+
 def quantize_uniforms(seed, n):
     """float32[n]: the stochastic draws u_i in [0, 1) of elements 0..n-1 for seed = (key, counter):
     K = splitmix64(key * 0x9E3779B97F4A7C15 ^ counter * 0xC2B2AE3D27D4EB4F); two elements share a hash, 16 bits
-    each: h = keyed_hash32(K, 8 floor(i / 16) + i mod 8), u_i = (h >> 16 where i mod 16 < 8, else h & 0xFFFF) * 2^-16."""
+    each: h = quantize_hash32(K, 8 floor(i / 16) + i mod 8), u_i = (h >> 16 where i mod 16 < 8, else h & 0xFFFF) * 2^-16."""
     key, counter = np.asarray(seed, np.int64).reshape(2).view(np.uint64)
     with np.errstate(over="ignore"):
         base = np.array([key], np.uint64) * QUANTIZE_GOLDEN ^ np.array([counter], np.uint64) * np.uint64(
             0xC2B2AE3D27D4EB4F)
         k = _mix64(base + QUANTIZE_GOLDEN)[0]
     i = np.arange(n, dtype=np.int64)
-    h = keyed_hash32(int(k), (i >> 4 << 3) | (i & 7))
+    h = quantize_hash32(int(k), (i >> 4 << 3) | (i & 7))
     half = np.where((i & 8) == 0, h >> np.uint32(16), h & np.uint32(0xFFFF))
     return half.astype(np.float32) * np.float32(2.0**-16)
 

@@ -265,11 +265,11 @@ HC_HOST_DEVICE inline float QuantizeLevels(int bits) { return static_cast<float>
 HC_HOST_DEVICE inline int64_t QuantizePackedBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
 
 // The stochastic draws, counter-based: the op's seed (key, counter) gives a 64-bit key K once (splitmix64 of
-// a mix of both), and two elements share one 32-bit keyed hash (KeyedHash32: two rounds of Wellons's lowbias32),
-// 16 bits each. Element i takes hash j = 8 floor(i / 16) + i mod 8, its high half where i mod 16 < 8 and its low
-// half otherwise: u_i = half * 2^-16, exact in float32 (a rounding's bias at most 2^-16 of a level). So 16 draws
-// are one 8-lane hash, 4 vector multiplies on AVX2: with a hash per element it was 40% of a 4-bit coding's time
-// on an AVX2 CPU (splitmix64 per element, without AVX-512DQ's 64-bit multiply, cost as much as the rest).
+// a mix of both), and two elements share one 32-bit hash of an index under K (QuantizeHash32: one round of Wellons's
+// lowbias32), 16 bits each. Element i takes hash j = 8 floor(i / 16) + i mod 8, its high half where i mod 16 < 8 and
+// its low half otherwise: u_i = half * 2^-16, exact in float32 (a rounding's bias at most 2^-16 of a level). So 16
+// draws are one 8-lane hash: with a hash per element (splitmix64, then two rounds of lowbias32) they cost as much as
+// the rest of a 4-bit coding on an AVX2 CPU, and a second round of the hash took 20% of it.
 HC_HOST_DEVICE inline uint64_t QuantizeSeedBase(int64_t key, int64_t counter) {
   uint64_t z = (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) ^
                (static_cast<uint64_t>(counter) * 0xC2B2AE3D27D4EB4Full);
@@ -288,19 +288,28 @@ HC_HOST_DEVICE inline uint32_t Mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// Element i's 32-bit hash under the 64-bit key K: Mix32(Mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), the quantizer's
-// draws and the count sketch's cells (sketch_hash.h).
+// Element i's 32-bit hash under the 64-bit key K: Mix32(Mix32(lo32(i) ^ lo32(K)) ^ hi32(K) ^ hi32(i)), the count
+// sketch's cells (sketch_hash.h), where every bit of the cell's column and sign must be mixed from both halves of K.
 HC_HOST_DEVICE inline uint32_t KeyedHash32(uint64_t key, int64_t i) {
   const uint64_t index = static_cast<uint64_t>(i);
   return Mix32(Mix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32) ^
                static_cast<uint32_t>(index >> 32));
 }
 
+// The draws' hash of index j under the 64-bit key K: Mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j). One round: a
+// stream's (one K's) hashes are lowbias32 of distinct inputs; two streams whose keys share their low half (a chance
+// of 2^-32) differ by the XOR of the high halves, where two rounds would mix it in.
+HC_HOST_DEVICE inline uint32_t QuantizeHash32(uint64_t key, int64_t j) {
+  const uint64_t index = static_cast<uint64_t>(j);
+  return Mix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32) ^
+         static_cast<uint32_t>(index >> 32);
+}
+
 // The hash that element i draws from (the draws above): 8 hashes serve 16 consecutive elements.
 HC_HOST_DEVICE inline int64_t QuantizeDrawHash(int64_t i) { return ((i >> 4) << 3) | (i & 7); }
 
 HC_HOST_DEVICE inline float QuantizeUniform(uint64_t base, int64_t i) {
-  const uint32_t h = KeyedHash32(base, QuantizeDrawHash(i));
+  const uint32_t h = QuantizeHash32(base, QuantizeDrawHash(i));
   return static_cast<float>(static_cast<int32_t>((i & 8) ? (h & 0xffffu) : (h >> 16))) * 0x1p-16f;  // exact
 }
 

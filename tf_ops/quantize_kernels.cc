@@ -64,26 +64,64 @@ void Uniforms(uint64_t base, int64_t first, int64_t len, float* out) {
 // ---------------------------------------------------------------------------
 // Block statistics (QuantizeStats): min, max and whether any element is NaN or +-Inf.
 
-QuantizeStats PieceStats(const float* x, int64_t len) {
-  QuantizeStats s{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), false};
-  int64_t i = 0;
 #if defined(__AVX__)
-  // x - x is +0 for a finite x and NaN otherwise: OR its bits together.
-  __m256 lo = _mm256_set1_ps(s.lo), hi = _mm256_set1_ps(s.hi), bad = _mm256_setzero_ps();
-  for (; i + 8 <= len; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
+// Running statistics of 8 lanes, for the loops that make or read the values: min, max, and whether any is NaN or
+// +-Inf (x - x is +0 for a finite x and NaN otherwise: its bits ORed together).
+struct StatsOfEights {
+  __m256 lo = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 hi = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 bad = _mm256_setzero_ps();
+
+  void Add(__m256 v) {
     lo = _mm256_min_ps(lo, v);
     hi = _mm256_max_ps(hi, v);
     bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
   }
-  alignas(32) float lo8[8], hi8[8];
-  alignas(32) uint32_t bad8[8];
-  _mm256_store_ps(lo8, lo);
-  _mm256_store_ps(hi8, hi);
-  _mm256_store_ps(reinterpret_cast<float*>(bad8), bad);
-  for (int l = 0; l < 8; ++l) s = QuantizeMerge(s, QuantizeStats{lo8[l], hi8[l], bad8[l] != 0});
+  // The lanes' statistics merged into s.
+  QuantizeStats MergeInto(QuantizeStats s) const {
+    alignas(32) float lo8[8], hi8[8];
+    alignas(32) uint32_t bad8[8];
+    _mm256_store_ps(lo8, lo);
+    _mm256_store_ps(hi8, hi);
+    _mm256_store_ps(reinterpret_cast<float*>(bad8), bad);
+    for (int l = 0; l < 8; ++l) s = QuantizeMerge(s, QuantizeStats{lo8[l], hi8[l], bad8[l] != 0});
+    return s;
+  }
+};
+#endif
+
+constexpr QuantizeStats kNoStats{std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                                 false};
+
+QuantizeStats PieceStats(const float* x, int64_t len) {
+  QuantizeStats s = kNoStats;
+  int64_t i = 0;
+#if defined(__AVX__)
+  StatsOfEights eights;
+  for (; i + 8 <= len; i += 8) eights.Add(_mm256_loadu_ps(x + i));
+  s = eights.MergeInto(s);
 #endif
   for (; i < len; ++i) s = QuantizeMerge(s, QuantizeStatsOf(x[i]));
+  return s;
+}
+
+// sum = x + plus over [0, len) (sum may be x or plus), and the statistics of sum, in one pass.
+QuantizeStats SumWithStats(const float* x, const float* plus, int64_t len, float* sum) {
+  QuantizeStats s = kNoStats;
+  int64_t i = 0;
+#if defined(__AVX__)
+  StatsOfEights eights;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(plus + i));
+    _mm256_storeu_ps(sum + i, v);
+    eights.Add(v);
+  }
+  s = eights.MergeInto(s);
+#endif
+  for (; i < len; ++i) {
+    sum[i] = x[i] + plus[i];
+    s = QuantizeMerge(s, QuantizeStatsOf(sum[i]));
+  }
   return s;
 }
 
@@ -161,7 +199,7 @@ struct DrawsOfSixteen {
 };
 
 __attribute__((target("avx2"))) inline DrawsOfSixteen DrawSixteen(__m256i index, __m256i key_lo, __m256i key_hi) {
-  const __m256i h = Mix32Avx2(_mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi));
+  const __m256i h = _mm256_xor_si256(Mix32Avx2(_mm256_xor_si256(index, key_lo)), key_hi);
   return {_mm256_srli_epi32(h, 16), _mm256_and_si256(h, _mm256_set1_epi32(0xffff))};
 }
 
@@ -316,13 +354,13 @@ __attribute__((target("avx2"))) inline __m256 CodesOfEightAvx2(const uint8_t* p)
 }
 
 // DecodeMeanPiece's vector loop over elements [i, end) (i a multiple of 8) with CodesOfEightAvx2, the same
-// float32 results in the same order, for up to kMostHoisted payloads; returns where it stopped (the last whole 8,
-// or i where m is larger).
+// float32 results in the same order, for up to kMostHoisted payloads (and their statistics into stats, where not
+// null); returns where it stopped (the last whole 8, or i where m is larger).
 template <int kBits>
 __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* packed, int64_t num_bytes, int64_t m,
                                                               const float* offsets, const float* scales,
                                                               int64_t stride, int64_t i, int64_t end,
-                                                              const float* plus, float* out) {
+                                                              const float* plus, float* out, StatsOfEights* stats) {
   constexpr int64_t kMostHoisted = 16;  // payloads whose offset and scale stay in registers
   if (m > kMostHoisted) return i;
   __m256 offset[kMostHoisted], scale[kMostHoisted];
@@ -338,18 +376,22 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
       acc = _mm256_add_ps(acc, _mm256_add_ps(offset[r], _mm256_mul_ps(codes, scale[r])));
     }
     acc = divide(acc);
-    _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
+    if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + i));
+    _mm256_storeu_ps(out + i, acc);
+    if (stats) stats->Add(acc);
   }
   return i;
 }
 #endif
 
 // One block's decoded mean: payload r's bytes at packed + r * num_bytes, its offset and scale at
-// offsets[r * stride] and scales[r * stride].
+// offsets[r * stride] and scales[r * stride]; the statistics of what it wrote into *stats, where not null.
 template <int kBits>
 void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets, const float* scales,
-                     int64_t stride, int64_t begin, int64_t end, const float* plus, float* out) {
+                     int64_t stride, int64_t begin, int64_t end, const float* plus, float* out,
+                     QuantizeStats* stats) {
   const float count = static_cast<float>(m);
+  QuantizeStats s = kNoStats;
   auto one = [&](int64_t i) {
     float acc = 0.0f;
     for (int64_t r = 0; r < m; ++r) {
@@ -357,11 +399,19 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
       acc = acc + QuantizeDecode(offsets[r * stride], code, scales[r * stride]);
     }
     out[i] = plus ? acc / count + plus[i] : acc / count;
+    if (stats) s = QuantizeMerge(s, QuantizeStatsOf(out[i]));
   };
   int64_t i = begin;
   for (; i < end && (i & 7) != 0; ++i) one(i);
+#if defined(__AVX__)
+  StatsOfEights eights;
+  StatsOfEights* eights_or_none = stats ? &eights : nullptr;
+#endif
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
-  if (kHasAvx2) i = DecodeMeanEightsAvx2<kBits>(packed, num_bytes, m, offsets, scales, stride, i, end, plus, out);
+  if (kHasAvx2) {
+    i = DecodeMeanEightsAvx2<kBits>(packed, num_bytes, m, offsets, scales, stride, i, end, plus, out,
+                                    eights_or_none);
+  }
 #endif
 #if defined(__AVX__)
   const CountDivisor divide(count);
@@ -373,16 +423,21 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
                                              _mm256_mul_ps(codes, _mm256_set1_ps(scales[r * stride]))));
     }
     acc = divide(acc);
-    _mm256_storeu_ps(out + i, plus ? _mm256_add_ps(acc, _mm256_loadu_ps(plus + i)) : acc);
+    if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + i));
+    _mm256_storeu_ps(out + i, acc);
+    if (eights_or_none) eights.Add(acc);
   }
+  if (stats) s = eights.MergeInto(s);
 #endif
   for (; i < end; ++i) one(i);
+  if (stats) *stats = s;
 }
 
 // Codes n values blockwise into packed, scales and offsets and their residual (values - decode), the work of
 // BlockQuantizeCompress and BlockQuantizeRecodeMean. The values come from a source: source.prepare(b, begin, end)
 // makes those of the piece [begin, end) of block b ready before anything reads them (nothing for a plain x;
-// x + plus, or the decoded mean, written into the residual's buffer), source.values(begin) and
+// x + plus, or the decoded mean, written into the residual's buffer) and returns their statistics, taken in the
+// same pass where it writes them; source.values(begin) and
 // source.residual(begin) point at element begin of the values and of the residual (which may be the same), so a
 // local block is read from memory once.
 template <typename Source>
@@ -417,8 +472,7 @@ void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t 
     for (int64_t c = first; c < last; ++c) {
       const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
       ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
-        source.prepare(b, begin, end);
-        const QuantizeStats s = PieceStats(source.values(begin), end - begin);
+        const QuantizeStats s = source.prepare(b, begin, end);
         if (local(b)) {
           finish(b, s);
           code(source.values(begin), source.residual(begin), begin, end, params[b], bits, seed_base, packed);
@@ -468,12 +522,13 @@ absl::Status AllocatePayload(OpKernelContext* ctx, int64_t n, int64_t num_blocks
   return ctx->allocate_output(2, TensorShape({num_blocks}), offsets);
 }
 
-// The decoded mean of piece [begin, end) of block b into out (+ plus), for m payloads of bits-bit codes.
+// The decoded mean of piece [begin, end) of block b into out (+ plus), for m payloads of bits-bit codes; the
+// statistics of what it wrote into *stats, where not null.
 void DecodeMeanOfPiece(int bits, const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets,
                        const float* scales, int64_t num_blocks, int64_t b, int64_t begin, int64_t end,
-                       const float* plus, float* out) {
+                       const float* plus, float* out, QuantizeStats* stats = nullptr) {
   const auto decode = bits == 2 ? DecodeMeanPiece<2> : bits == 4 ? DecodeMeanPiece<4> : DecodeMeanPiece<8>;
-  decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, out);
+  decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, out, stats);
 }
 
 }  // namespace
@@ -485,14 +540,11 @@ struct PartsSource {
   std::vector<const float*> xs, pluses;  // pluses[k]: nullptr where plus_k is empty
   std::vector<float*> residuals;
 
-  void prepare(int64_t, int64_t begin, int64_t end) const {
+  QuantizeStats prepare(int64_t, int64_t begin, int64_t end) const {
     const int64_t part = where.PartOf(begin), at = begin - where.start(part);
     const float* plus = pluses[part];
-    if (plus == nullptr) return;
-    const float* x = xs[part] + at;
-    float* sum = residuals[part] + at;
-    plus += at;
-    for (int64_t i = 0; i < end - begin; ++i) sum[i] = x[i] + plus[i];  // may be in place (x's or plus's buffer)
+    if (plus == nullptr) return PieceStats(xs[part] + at, end - begin);
+    return SumWithStats(xs[part] + at, plus + at, end - begin, residuals[part] + at);  // may be in place
   }
   const float* values(int64_t begin) const {
     const int64_t part = where.PartOf(begin), at = begin - where.start(part);
@@ -603,8 +655,10 @@ class BlockQuantizeRecodeMeanOp : public OpKernel {
       int64_t num_blocks;
       const float* plus;
       float* mean;
-      void prepare(int64_t b, int64_t begin, int64_t end) const {
-        DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean);
+      QuantizeStats prepare(int64_t b, int64_t begin, int64_t end) const {
+        QuantizeStats stats;
+        DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean, &stats);
+        return stats;
       }
       const float* values(int64_t begin) const { return mean + begin; }
       float* residual(int64_t begin) const { return mean + begin; }

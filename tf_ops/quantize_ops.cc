@@ -28,7 +28,7 @@
 //     int64[2] and the global index i of the element in x,
 //       K = splitmix64((uint64(key) * 0x9E3779B97F4A7C15) ^ (uint64(counter) * 0xC2B2AE3D27D4EB4F))
 //       j = 8 floor(i / 16) + i mod 8   (two elements share a hash, 16 bits each)
-//       h = mix32(mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j))
+//       h = mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j)
 //       u_i = (i mod 16 < 8 ? h >> 16 : h & 0xffff) * 2^-16   (exact in float32, in [0, 1))
 //     with splitmix64(z): z += 0x9E3779B97F4A7C15;
 //       z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
