@@ -296,9 +296,10 @@ HC_HOST_DEVICE inline uint32_t KeyedHash32(uint64_t key, int64_t i) {
                static_cast<uint32_t>(index >> 32));
 }
 
-// The draws' hash of index j under the 64-bit key K: Mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j). One round: a
-// stream's (one K's) hashes are lowbias32 of distinct inputs; two streams whose keys share their low half (a chance
-// of 2^-32) differ by the XOR of the high halves, where two rounds would mix it in.
+// The draws' hash of index j under the 64-bit key K: Mix32(lo32(j) ^ lo32(K)) ^ hi32(K) ^ hi32(j). One round, so two
+// keys' hashes are one sequence with the indices XORed by the low halves' difference and the hashes by the high
+// halves' (draws of other elements, for rounding as good as independent); and hi32(j) is XORed in after the round, so
+// past 2^32 hashes (a bucket of more than 2^33 elements) they repeat but for their lowest bit.
 HC_HOST_DEVICE inline uint32_t QuantizeHash32(uint64_t key, int64_t j) {
   const uint64_t index = static_cast<uint64_t>(j);
   return Mix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(key >> 32) ^

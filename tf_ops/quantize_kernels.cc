@@ -369,6 +369,7 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
     scale[r] = _mm256_set1_ps(scales[r * stride]);
   }
   const CountDivisor divide(static_cast<float>(m));
+  StatsOfEights taken = stats ? *stats : StatsOfEights();  // in registers: out's stores could alias *stats
   for (; i + 8 <= end; i += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < m; ++r) {
@@ -378,8 +379,9 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
     acc = divide(acc);
     if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + i));
     _mm256_storeu_ps(out + i, acc);
-    if (stats) stats->Add(acc);
+    if (stats) taken.Add(acc);
   }
+  if (stats) *stats = taken;
   return i;
 }
 #endif
@@ -425,7 +427,7 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
     acc = divide(acc);
     if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + i));
     _mm256_storeu_ps(out + i, acc);
-    if (eights_or_none) eights.Add(acc);
+    if (stats) eights.Add(acc);
   }
   if (stats) s = eights.MergeInto(s);
 #endif
@@ -436,10 +438,9 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
 // Codes n values blockwise into packed, scales and offsets and their residual (values - decode), the work of
 // BlockQuantizeCompress and BlockQuantizeRecodeMean. The values come from a source: source.prepare(b, begin, end)
 // makes those of the piece [begin, end) of block b ready before anything reads them (nothing for a plain x;
-// x + plus, or the decoded mean, written into the residual's buffer) and returns their statistics, taken in the
-// same pass where it writes them; source.values(begin) and
-// source.residual(begin) point at element begin of the values and of the residual (which may be the same), so a
-// local block is read from memory once.
+// x + plus, or the decoded mean, written into the residual's buffer) and returns their statistics (taken in the pass
+// that writes them, where it writes any); source.values(begin) and source.residual(begin) point at element begin of
+// the values and of the residual (which may be the same), so a local block is read from memory once.
 template <typename Source>
 void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t num_blocks, int bits, bool stochastic,
                 uint64_t seed_base, const Source& source, uint8_t* packed, float* scales, float* offsets) {
@@ -656,7 +657,7 @@ class BlockQuantizeRecodeMeanOp : public OpKernel {
       const float* plus;
       float* mean;
       QuantizeStats prepare(int64_t b, int64_t begin, int64_t end) const {
-        QuantizeStats stats;
+        QuantizeStats stats = kNoStats;
         DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean, &stats);
         return stats;
       }

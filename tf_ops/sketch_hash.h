@@ -44,7 +44,7 @@ struct BucketSign {
 constexpr int64_t kRegionCols = int64_t{1} << 12;
 
 // Coordinate i's column in a region of `width` <= kRegionCols columns (a width from Regions, below) and its sign,
-// in the row of `row_key`: h = KeyedHash32(row_key, i) (cores.h, the quantizer's draws: 32-bit multiplies only, so
+// in the row of `row_key`: h = KeyedHash32(row_key, i) (cores.h, two rounds of lowbias32: 32-bit multiplies only, so
 // that 8 coordinates cost 5 vector multiplies on AVX2, 4 for h and 1 for the column, where splitmix64's 64-bit
 // multiplies cost three times as much), the column from h's top 20 bits by a multiply-shift range reduction
 // (((h >> 12) width) >> 20: exact in 32 bits for width <= 2^12, each column within width / 2^20 of its share), the

@@ -47,7 +47,7 @@ inline void HashRangeScalar(uint64_t row_key, int64_t first, int64_t count, int6
 }
 
 #if defined(__x86_64__)
-// HashRangeScalar, 8 coordinates at a time (KeyedHash32 as the quantizer's AVX2 draws make it, the range reduction
+// HashRangeScalar, 8 coordinates at a time (KeyedHash32 in 8 lanes with Mix32Avx2, blocks.h; the range reduction
 // in 32-bit lanes, the sign as a multiplication by -1 or 1), while hi32 of the coordinate stays the same; false
 // (nothing done) where it does not.
 __attribute__((target("avx2"))) bool HashRangeAvx2(uint64_t row_key, int64_t first, int64_t count, int64_t width,
