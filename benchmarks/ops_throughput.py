@@ -210,6 +210,7 @@ def measure(n):
     _, fetch_rows, fetch_cols, _ = Compression.sketch(ratio=4, mode="fetchsgd").sizes(n)
     shapes = {1: cols, fetch_rows: fetch_cols}
     sketches = {rows: ops.count_sketch(x, rows, c) for rows, c in shapes.items()}
+    loads = ops.count_sketch(x, 1, cols, count_loads=True)[1]
     half = tf.cast(x, tf.float16)
     m, e = (tf.constant(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
     v = tf.abs(m) * 1e-4
@@ -260,6 +261,11 @@ def measure(n):
     candidates = Compression.sketch(ratio=4).sizes(n)[3]
     cases["count_sketch_top_k (1 x n/8, n/8 of n)"] = (
         tf.function(lambda s, t: ops.count_sketch_top_k(s, t, candidates)), sketches[1], x)
+    # As sketched SGD runs them: the sketch counts its cells' loads, and the selection takes them.
+    cases["count_sketch (1 x n/8), counting its cells' loads"] = (
+        tf.function(lambda t: ops.count_sketch(t, 1, cols, count_loads=True)), x)
+    cases["count_sketch_top_k (1 x n/8, n/8 of n), given the loads"] = (
+        tf.function(lambda s, t, l: ops.count_sketch_top_k(s, t, candidates, loads=l)), sketches[1], x, loads)
     cases["count_sketch_top_k, as query + top_k_abs + gather"] = (tf.function(
         lambda s, t: tf.gather(t, ops.top_k_abs(ops.count_sketch_query(s, n), candidates)[1])), sketches[1], x)
     return {name: n * 4 / median_seconds(fn, *args) / 1e9 for name, (fn, *args) in cases.items()}

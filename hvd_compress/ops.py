@@ -335,9 +335,11 @@ def check_sketch_size(rows, cols):
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def count_sketch(x, rows, cols, seed=0, step=0):
+def count_sketch(x, rows, cols, seed=0, step=0, count_loads=False):
     """Count sketch of x, float32[rows, cols]: S[j, h_j(i)] += s_j(i) x_i. x is a tensor or a list of them (a
-    bucket's parts, read where they lie: the sketch of their concatenation, each flattened).
+    bucket's parts, read where they lie: the sketch of their concatenation, each flattened). With count_loads,
+    (sketch, loads): loads int32[rows, cols], how many coordinates each cell took, counted in the same pass
+    (count_sketch_top_k takes them, and need not hash every coordinate once more to count them).
 
     Hashes and signs come from (seed, step, j, i) alone (tf_ops/sketch_hash.h),
     so every rank with the same seed and step builds compatible, summable
@@ -352,8 +354,9 @@ def count_sketch(x, rows, cols, seed=0, step=0):
     if len({p.dtype for p in parts}) > 1:
         raise TypeError(f"x's parts must share one float type, got {[p.dtype.name for p in parts]}: cast them alike.")
     check_sketch_size(rows, cols)
-    return library().count_sketch(parts, tf.cast(seed, tf.int64), tf.cast(step, tf.int64), rows=int(rows),
-                                  cols=int(cols))
+    sketch, loads = library().count_sketch(parts, tf.cast(seed, tf.int64), tf.cast(step, tf.int64), rows=int(rows),
+                                           cols=int(cols), count_loads=bool(count_loads))
+    return (sketch, loads) if count_loads else sketch
 
 
 def count_sketch_query(sketch, n, seed=0, step=0):
@@ -362,16 +365,18 @@ def count_sketch_query(sketch, n, seed=0, step=0):
                                         tf.cast(step, tf.int64))
 
 
-def count_sketch_top_k(sketch, x, k, seed=0, step=0):
+def count_sketch_top_k(sketch, x, k, seed=0, step=0, loads=None):
     """top_k_abs(count_sketch_query(sketch, n), k) of a one-row sketch, with x (float32: a tensor, or a list of
     them read as their concatenation, each flattened; n its size) at the selected coordinates: (values of x,
     int32 indices) in increasing index order, without the n estimates (sketched SGD's candidates and the values
-    its second round sums)."""
+    its second round sums). loads: count_sketch(..., count_loads=True)'s of the same n, seed and step (a sketch
+    summed across ranks has the same), or None to count them here."""
     if sketch.shape.rank != 2 or sketch.shape[0] != 1:
         raise ValueError(f"count_sketch_top_k takes a one-row sketch [1, cols], got shape {sketch.shape}; "
                          "for more rows use top_k_abs(count_sketch_query(sketch, n), k).")
-    return library().count_sketch_top_k(sketch, [tf.reshape(p, [-1]) for p in _tensors(x)], tf.cast(k, tf.int32),
-                                        tf.cast(seed, tf.int64), tf.cast(step, tf.int64))
+    loads = tf.zeros([0, 0], tf.int32) if loads is None else loads
+    return library().count_sketch_top_k(sketch, loads, [tf.reshape(p, [-1]) for p in _tensors(x)],
+                                        tf.cast(k, tf.int32), tf.cast(seed, tf.int64), tf.cast(step, tf.int64))
 
 
 def count_sketch_buckets(indices, n, rows, cols, seed=0, step=0):

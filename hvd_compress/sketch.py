@@ -177,20 +177,21 @@ class SketchCompressor(StatefulCompressor):
         FetchSGD always as step 0."""
         return seed_key(self.seed, salt)
 
-    def encode(self, parts, rows, cols, salt=0, step=0):
-        """The count sketch of a bucket's parts (tensors, read where they lie)."""
-        return ops.count_sketch(parts, rows, cols, self.hash_seed(salt), step)
+    def encode(self, parts, rows, cols, salt=0, step=0, count_loads=False):
+        """The count sketch of a bucket's parts (tensors, read where they lie); with count_loads, and its cells'
+        loads (what `heaviest` takes)."""
+        return ops.count_sketch(parts, rows, cols, self.hash_seed(salt), step, count_loads)
 
     def estimate(self, sketch, num_elements, salt=0, step=0):
         return ops.count_sketch_query(sketch, num_elements, self.hash_seed(salt), step)
 
-    def heaviest(self, sketch, parts, count, salt=0, step=0):
+    def heaviest(self, sketch, parts, count, salt=0, step=0, loads=None):
         """The `count` coordinates of largest |estimate| from the summed sketch, and this worker's bucket (its
         parts) there: (values, int32 indices in increasing order). One row: count_sketch_top_k (the
-        estimate's magnitude is its cell's; no estimate of every coordinate is written); more: the
-        median estimates, then their top-k."""
+        estimate's magnitude is its cell's; no estimate of every coordinate is written), with the cells' loads
+        where `encode` counted them; more: the median estimates, then their top-k."""
         if self.rows == 1:
-            return ops.count_sketch_top_k(sketch, parts, count, self.hash_seed(salt), step)
+            return ops.count_sketch_top_k(sketch, parts, count, self.hash_seed(salt), step, loads)
         n = sum(p.shape.num_elements() for p in parts)
         _, indices = ops.top_k_abs(self.estimate(sketch, n, salt, step), count)
         return ops.gather_at(parts, indices), indices
@@ -217,10 +218,13 @@ class SketchAllreduce(Exchange):
     def __call__(self, parts, state, step):
         tensors = summed(parts)  # the bucket's parts, never concatenated
         process_set, name, salt = self.bucket.process_set, self.bucket.name, self.bucket.index
-        sketch = hvd.allreduce(self.compressor.encode(tensors, self.rows, self.cols, salt, step.number), op=hvd.Sum,
-                               process_set=process_set, name=name + ".sketch")
+        counts = self.rows == 1 and self.compressor.second_round  # the candidates' selection takes the cells' loads
+        encoded = self.compressor.encode(tensors, self.rows, self.cols, salt, step.number, count_loads=counts)
+        sketch, loads = encoded if counts else (encoded, None)
+        sketch = hvd.allreduce(sketch, op=hvd.Sum, process_set=process_set, name=name + ".sketch")
         if self.compressor.second_round:
-            local, candidates = self.compressor.heaviest(sketch, tensors, self.num_candidates, salt, step.number)
+            local, candidates = self.compressor.heaviest(sketch, tensors, self.num_candidates, salt, step.number,
+                                                         loads)
             values = hvd.allreduce(local, op=hvd.Sum, process_set=process_set, name=name + ".values")
             applied = candidates
             if not self.compressor.apply_candidates:

@@ -174,16 +174,19 @@ def test_top_k_of_a_large_sketch_is_top_k_abs_of_its_query():
        dtype=st.sampled_from([np.float32, np.float16]), data=st.data())
 def test_a_bucket_in_parts_is_sketched_and_selected_as_its_concatenation(n, cols, rows, dtype, data):
     """A bucket's parts, read where they lie (some empty, some across regions and runs of 1024): the sketch and the
-    one-row top-k of their concatenation, bit for bit."""
+    one-row top-k of their concatenation, bit for bit; the cells' loads counted with the sketch are the reference
+    hash's counts, and the top-k that takes them selects as the one that counts them itself."""
     cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=5)))
     x = np.random.default_rng(n).standard_normal(n).astype(dtype)
     parts = [tf.constant(piece.reshape(2, -1) if piece.size % 2 == 0 and piece.size else piece)
              for piece in np.split(x, cuts)]
-    sketch = ops.count_sketch(parts, rows, cols, seed=5, step=2)
+    sketch, loads = ops.count_sketch(parts, rows, cols, seed=5, step=2, count_loads=True)
     np.testing.assert_array_equal(sketch.numpy(), ops.count_sketch(x, rows, cols, seed=5, step=2).numpy())
+    np.testing.assert_array_equal(loads.numpy(), [np.bincount(ref.sketch_hash(5, j, n, cols, 2)[0], minlength=cols)
+                                                  for j in range(rows)])
     if rows == 1 and dtype == np.float32:
         k = data.draw(st.integers(0, n))
-        values, indices = ops.count_sketch_top_k(sketch, parts, k, 5, 2)
+        values, indices = ops.count_sketch_top_k(sketch, parts, k, 5, 2, loads)
         want_values, want_indices = ops.count_sketch_top_k(sketch, x, k, 5, 2)
         np.testing.assert_array_equal(indices.numpy(), want_indices.numpy())
         np.testing.assert_array_equal(values.numpy(), want_values.numpy())
@@ -199,6 +202,15 @@ def test_top_k_of_a_sketch_refuses_more_rows_and_a_k_beyond_the_vector():
         ops.count_sketch_top_k(tf.zeros([2, 10]), tf.zeros([20]), 3)
     with pytest.raises(tf.errors.InvalidArgumentError, match="k must be in"):
         ops.count_sketch_top_k(tf.zeros([1, 10]), tf.zeros([20]), 21)
+
+
+def test_top_k_of_a_sketch_refuses_loads_of_another_sketch():
+    """Loads of another width, or of another vector's size, are refused before anything is selected."""
+    _, loads = ops.count_sketch(tf.ones([20]), 1, 10, count_loads=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"loads must be .* \[1, cols = 9\]"):
+        ops.count_sketch_top_k(tf.zeros([1, 9]), tf.zeros([20]), 3, loads=loads)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="loads sum to 20, not to x's 21 elements"):
+        ops.count_sketch_top_k(tf.zeros([1, 10]), tf.zeros([21]), 3, loads=loads)
 
 
 @pytest.mark.skipif("avx512dq" not in open("/proc/cpuinfo").read(), reason="the CPU has no AVX-512: one hash only")

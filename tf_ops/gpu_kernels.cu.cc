@@ -786,6 +786,7 @@ class CountSketchGpuOp : public OpKernel {
   explicit CountSketchGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cols", &cols_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("count_loads", &count_loads_));
   }
 
   // The parts of x are copied into one vector on the device (the CPU kernel reads them where they lie).
@@ -796,8 +797,14 @@ class CountSketchGpuOp : public OpKernel {
     for (int i = 0; i < xs.size(); ++i) n += xs[i].NumElements();
     OP_REQUIRES_OK(ctx, ScalarInputs(ctx, xs.size(), xs.size() + 1, "seed and step"));
     OP_REQUIRES_OK(ctx, CheckSketchSizes(n, cols_));
-    Tensor* sketch = nullptr;
+    Tensor *sketch = nullptr, *loads = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows_, cols_}), &sketch));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, count_loads_ ? TensorShape({rows_, cols_}) : TensorShape({0, 0}),
+                                             &loads));
+    if (count_loads_) {
+      HC_LAUNCH(ctx, hc_count_sketch_loads, n, ctx->input(xs.size()).scalar<int64_t>()(),
+                ctx->input(xs.size() + 1).scalar<int64_t>()(), rows_, cols_, Ptr<int32_t>(*loads), StreamOf(ctx));
+    }
     Tensor joined;
     const Tensor* x = &xs[0];
     if (xs.size() > 1) {
@@ -818,6 +825,7 @@ class CountSketchGpuOp : public OpKernel {
 
  private:
   int64_t rows_, cols_;
+  bool count_loads_;
 };
 
 class CountSketchQueryGpuOp : public OpKernel {
@@ -870,7 +878,8 @@ class CountSketchBucketsGpuOp : public OpKernel {
 };
 
 // CountSketchTopK: the query of the one row into a temporary, its top-k, and x gathered there (the CPU kernel's
-// selection over cells saves the n estimates' memory traffic, which the device's bandwidth makes cheap here).
+// selection over cells saves the n estimates' memory traffic, which the device's bandwidth makes cheap here; so
+// it reads no loads).
 class CountSketchTopKGpuOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -883,8 +892,8 @@ class CountSketchTopKGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("xs", &xs));
     Parts<const float*> parts;
     for (int i = 0; i < xs.size(); ++i) parts.Add(xs[i]);
-    const int64_t seed = ctx->input(xs.size() + 2).scalar<int64_t>()();
-    const int64_t step = ctx->input(xs.size() + 3).scalar<int64_t>()();
+    const int64_t seed = ctx->input(xs.size() + 3).scalar<int64_t>()();
+    const int64_t step = ctx->input(xs.size() + 4).scalar<int64_t>()();
     OP_REQUIRES_OK(ctx, CheckSketchSizes(n, sketch.dim_size(1)));
     Tensor *values = nullptr, *indices = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));

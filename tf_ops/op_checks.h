@@ -60,20 +60,27 @@ inline absl::Status SparseMeanInputs(tensorflow::OpKernelContext* ctx) {
   return absl::OkStatus();
 }
 
-// CountSketchTopK's inputs: a one-row sketch, the parts of x (n <= 2^31 - 1 elements in all), scalar k in [0, n],
-// seed and step; sets *n and *k.
+// CountSketchTopK's inputs: a one-row sketch, its cells' loads ([1, cols], or empty), the parts of x (n <= 2^31 - 1
+// elements in all), scalar k in [0, n], seed and step; sets *n and *k.
 inline absl::Status SketchTopKInputs(tensorflow::OpKernelContext* ctx, int64_t* n, int64_t* k) {
   const Tensor& sketch = ctx->input(0);
   if (sketch.dims() != 2 || sketch.dim_size(0) != 1 || sketch.dim_size(1) < 1) {
     return InvalidArgument("sketch must be one row, [1, cols] (the estimate of more rows is a median: "
                            "count_sketch_query, then top_k_abs), got ", sketch.shape().DebugString());
   }
+  const Tensor& loads = ctx->input(1);
+  if (loads.NumElements() != 0 && (loads.dims() != 2 || loads.dim_size(0) != 1 ||
+                                   loads.dim_size(1) != sketch.dim_size(1))) {
+    return InvalidArgument("loads must be the sketch's cells' loads, [1, cols = ", sketch.dim_size(1),
+                           "] (count_sketch(..., count_loads=True) of the same n, seed and step), or empty; got ",
+                           loads.shape().DebugString());
+  }
   const int k_input = ctx->num_inputs() - 3;  // after the parts of x
   for (int i = k_input; i < ctx->num_inputs(); ++i) {
     if (ctx->input(i).dims() != 0) return InvalidArgument("k, seed and step must be scalars");
   }
   *n = 0;
-  for (int i = 1; i < k_input; ++i) *n += ctx->input(i).NumElements();
+  for (int i = 2; i < k_input; ++i) *n += ctx->input(i).NumElements();  // after the sketch and its loads
   *k = ctx->input(k_input).scalar<int32_t>()();
   if (*n > std::numeric_limits<int32_t>::max()) {
     return InvalidArgument("count_sketch_top_k returns int32 indices, so x may have at most 2^31-1 elements; got ",

@@ -187,6 +187,7 @@ class CountSketchOp : public OpKernel {
   explicit CountSketchOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cols", &cols_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("count_loads", &count_loads_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -200,20 +201,36 @@ class CountSketchOp : public OpKernel {
     OP_REQUIRES(ctx, seed_tensor.dims() == 0 && step_tensor.dims() == 0,
                 InvalidArgument("seed and step must be scalars"));
     const int64_t seed = SketchSeed(seed_tensor.scalar<int64_t>()(), step_tensor.scalar<int64_t>()());
-    Tensor* out = nullptr;
+    OP_REQUIRES(ctx, !count_loads_ || n <= std::numeric_limits<int32_t>::max(),
+                InvalidArgument("count_loads counts in int32: x may have at most 2^31-1 elements, got ", n));
+    Tensor *out = nullptr, *loads_out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows_, cols_}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, count_loads_ ? TensorShape({rows_, cols_}) : TensorShape({0, 0}),
+                                             &loads_out));
     float* sketch = out->flat<float>().data();
     const Regions regions = RegionsOf(n, cols_);
     for (int64_t j = 0; j < rows_; ++j) {  // each region's segment, in increasing i, into the region
       float* row = sketch + j * cols_;
+      int32_t* loads = count_loads_ ? loads_out->flat<int32_t>().data() + j * cols_ : nullptr;
       HashSegments(ctx, regions, n, RowKey(seed, j), /*signs=*/true, 12,
                    [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float* sign) {
                      float* region = row + regions.First(s);
-                     if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0.0f);
+                     int32_t* counts = loads ? loads + regions.First(s) : nullptr;
+                     if (a == s * regions.per_segment) {
+                       std::fill(region, region + regions.Width(s), 0.0f);
+                       if (counts) std::fill(counts, counts + regions.Width(s), 0);
+                     }
                      where.ForEachPartIn(a, a + len, [&](int64_t part, int64_t at, int64_t lo, int64_t length) {
                        const T* values = x.data[part] + at;
                        const uint32_t* cells = bucket + (lo - a);
                        const float* signs = sign + (lo - a);
+                       if (counts) {
+                         for (int64_t t = 0; t < length; ++t) {
+                           region[cells[t]] += signs[t] * static_cast<float>(values[t]);
+                           ++counts[cells[t]];
+                         }
+                         return;
+                       }
                        for (int64_t t = 0; t < length; ++t) {
                          region[cells[t]] += signs[t] * static_cast<float>(values[t]);
                        }
@@ -221,13 +238,17 @@ class CountSketchOp : public OpKernel {
                      return true;
                    });
       for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
-        if (s * regions.per_segment >= n) std::fill(row + regions.First(s), row + regions.First(s + 1), 0.0f);
+        if (s * regions.per_segment >= n) {
+          std::fill(row + regions.First(s), row + regions.First(s + 1), 0.0f);
+          if (loads) std::fill(loads + regions.First(s), loads + regions.First(s + 1), 0);
+        }
       }
     }
   }
 
  private:
   int64_t rows_, cols_;
+  bool count_loads_;
 };
 
 // The medians are cores.h's (SketchMedian): MedianKey's 3- and 5-row networks run vectorized over a tile of
@@ -379,10 +400,11 @@ inline int64_t SelectRun(const float* region, const uint32_t* bucket, int64_t a,
 // coordinates (sketched SGD's candidates and their values), without writing the n estimates. With one
 // row |estimate_i| = |S[h(i)]| (the sign only flips it), so every coordinate hashed to a cell has the
 // cell's key: the k-th largest key is found over the cells, each counted once per coordinate hashed to
-// it (its load), by TopKAbs's two-level radix select. Two passes hash the coordinates: the loads, then the
-// selection, each region's segment by one task, written in index order with TopKAbs's ties (the lowest
-// indices first) from each region's counts of coordinates above the threshold and at it, which its own
-// cells give.
+// it (its load), by TopKAbs's two-level radix select. The loads come from CountSketch (count_loads), which
+// hashed every coordinate into the same cells; where they are not given, a first pass hashes the coordinates
+// to count them. The selection hashes them (again), each region's segment by one task, written in index order
+// with TopKAbs's ties (the lowest indices first) from each region's counts of coordinates above the threshold
+// and at it, which its own cells give.
 class CountSketchTopKOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -397,7 +419,7 @@ class CountSketchTopKOp : public OpKernel {
     const PartIndex& where = x.where;
     const int64_t cols = sketch_tensor.dim_size(1);
     const int64_t seed =
-        SketchSeed(ctx->input(xs.size() + 2).scalar<int64_t>()(), ctx->input(xs.size() + 3).scalar<int64_t>()());
+        SketchSeed(ctx->input(xs.size() + 3).scalar<int64_t>()(), ctx->input(xs.size() + 4).scalar<int64_t>()());
     Tensor *values_tensor = nullptr, *indices_tensor = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values_tensor));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices_tensor));
@@ -408,19 +430,32 @@ class CountSketchTopKOp : public OpKernel {
     const Regions regions = RegionsOf(n, cols);
     const uint64_t row_key = RowKey(seed, 0);
 
-    // Coordinates per cell (a segment has fewer than 2^31). Each region is zeroed by its task as it starts, in
-    // order, so that its random increments find it in the core's cache (a zeroed vector's would miss).
-    std::unique_ptr<int32_t[]> loads_buffer(new int32_t[cols]);
-    int32_t* loads = loads_buffer.get();
-    HashSegments(ctx, regions, n, row_key, /*signs=*/false, 8,
-                 [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float*) {
-      int32_t* region = loads + regions.First(s);
-      if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0);
-      for (int64_t t = 0; t < len; ++t) ++region[bucket[t]];
-      return true;
-    });
-    for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
-      if (s * regions.per_segment >= n) std::fill(loads + regions.First(s), loads + regions.First(s + 1), 0);
+    // Coordinates per cell (a segment has fewer than 2^31): CountSketch's, or counted here. Each region is zeroed
+    // by its task as it starts, in order, so that its random increments find it in the core's cache (a zeroed
+    // vector's would miss).
+    const Tensor& given = ctx->input(1);
+    std::unique_ptr<int32_t[]> loads_buffer;
+    const int32_t* loads = given.flat<int32_t>().data();
+    if (given.NumElements() != 0) {
+      int64_t total = 0;
+      for (int64_t c = 0; c < cols; ++c) total += loads[c];
+      OP_REQUIRES(ctx, total == n,
+                  InvalidArgument("loads sum to ", total, ", not to x's ", n, " elements: give count_sketch's loads ",
+                                  "of the same x's size, seed and step"));
+    } else {
+      loads_buffer.reset(new int32_t[cols]);
+      int32_t* counted = loads_buffer.get();
+      HashSegments(ctx, regions, n, row_key, /*signs=*/false, 8,
+                   [&](int64_t s, int64_t a, int64_t len, const uint32_t* bucket, const float*) {
+        int32_t* region = counted + regions.First(s);
+        if (a == s * regions.per_segment) std::fill(region, region + regions.Width(s), 0);
+        for (int64_t t = 0; t < len; ++t) ++region[bucket[t]];
+        return true;
+      });
+      for (int64_t s = 0; s < regions.count; ++s) {  // regions whose segment holds no coordinate
+        if (s * regions.per_segment >= n) std::fill(counted + regions.First(s), counted + regions.First(s + 1), 0);
+      }
+      loads = counted;
     }
 
     // The threshold key: the high 15 bits' bin of the k-th largest coordinate key, then the low 16 bits'.

@@ -18,10 +18,12 @@ REGISTER_OP("CountSketch")
     .Input("seed: int64")
     .Input("step: int64")
     .Output("sketch: float")
+    .Output("loads: int32")
     .Attr("N: int >= 1")
     .Attr("T: {float, half, bfloat16}")
     .Attr("rows: int >= 1")
     .Attr("cols: int >= 1")
+    .Attr("count_loads: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       for (int i = c->num_inputs() - 2; i < c->num_inputs(); ++i) {
@@ -30,14 +32,19 @@ REGISTER_OP("CountSketch")
       int64_t rows, cols;
       TF_RETURN_IF_ERROR(c->GetAttr("rows", &rows));
       TF_RETURN_IF_ERROR(c->GetAttr("cols", &cols));
+      bool count_loads = false;
+      TF_RETURN_IF_ERROR(c->GetAttr("count_loads", &count_loads));
       c->set_output(0, c->Matrix(rows, cols));
+      c->set_output(1, count_loads ? c->Matrix(rows, cols) : c->Matrix(0, 0));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 Count sketch of x, the concatenation of xs (each flattened; a bucket's parts where
 they lie, never copied into one vector): sketch[j, h_j(i)] += s_j(i) * x[i],
 summed in float32 in increasing i. Linear in x. Hashes and signs from the scalars seed and
-step (SketchSeed in sketch_hash.h).
+step (SketchSeed in sketch_hash.h). With count_loads, loads[j, c] is the number of
+coordinates row j hashes to cell c (they depend on n, seed and step alone), counted in the
+same pass; else loads is empty [0, 0].
 )doc");
 
 REGISTER_OP("CountSketchQuery")
@@ -63,6 +70,7 @@ middle values).
 
 REGISTER_OP("CountSketchTopK")
     .Input("sketch: float")
+    .Input("loads: int32")
     .Input("xs: N * float")
     .Input("k: int32")
     .Input("seed: int64")
@@ -85,7 +93,9 @@ REGISTER_OP("CountSketchTopK")
 The k coordinates i < n = size(x) of largest |estimate| of a one-row sketch
 (TopKAbs of CountSketchQuery(sketch, n): increasing index order, ties to the
 lower index) and x at them, without the n estimates; x is the concatenation of
-xs (each flattened).
+xs (each flattened). loads: the cells' coordinate counts as CountSketch counts them
+for the same n, seed and step ([1, cols], summing to n), which saves hashing every
+coordinate once more; or empty, and they are counted here.
 )doc");
 
 REGISTER_OP("CountSketchBuckets")

@@ -1,12 +1,13 @@
 """The count-sketch kernels (tf_ops/gpu/sketch_kernels.cu) against np_reference, bit for bit: the sketch against
 count_sketch (np.add.at: every cell summed in increasing i, as the CPU kernel sums it) for float32, float16 and
-bfloat16 inputs, over one region and several (cols > 64K), cells of one value and of thousands; the buckets
-against sketch_hash; the query against `query_reference`, count_sketch_query with the CPU kernel's exact ties
-(count_sketch_query's NumPy sort leaves the sign of a zero median open: the CPU's 3- and 5-row networks put -0
-before +0, its sort for other row counts keeps tied values in row order), on sketches of special values (NaN of
-either sign, infinities, signed zeros) and rows 1 to 8, 12 and 33 (the kernel's path for more than 32 rows).
-No tolerance anywhere: the GPU sums each cell in the CPU's order (a stable sort by cell, then one thread per
-cell). Inputs keep clear of float32 subnormals, which TensorFlow's CPU ops flush to zero and NumPy does not.
+bfloat16 inputs, over one region and several (cols > 64K), cells of one value and of thousands; the buckets against
+sketch_hash, and the cells' loads (CountSketch's count_loads) against the counts of its buckets; the query against
+`query_reference`, count_sketch_query with the CPU kernel's exact ties (count_sketch_query's NumPy sort leaves the
+sign of a zero median open: the CPU's 3- and 5-row networks put -0 before +0, its sort for other row counts keeps
+tied values in row order), on sketches of special values (NaN of either sign, infinities, signed zeros) and rows 1 to
+8, 12 and 33 (the kernel's path for more than 32 rows). No tolerance anywhere: the GPU sums each cell in the CPU's
+order (a stable sort by cell, then one thread per cell). Inputs keep clear of float32 subnormals, which TensorFlow's
+CPU ops flush to zero and NumPy does not.
 
 The timed sizes are the library's defaults at n = 2**26 (hvd_compress/sketch.py, SketchCompressor.sizes):
 Compression.sketch(ratio=4) is one row of F / 2 + a few columns (F = n / 4 floats per step; the other half goes to
@@ -117,6 +118,11 @@ def check(run):
         for j in range(rows):
             want[j, inside] = ref.sketch_hash(seed, j, n, cols, step)[0][indices[inside]]
         run.expect("hc_count_sketch_buckets", case, buckets, want)
+        loads = cp.full((rows, cols), -7, cp.int32)
+        k.hc_count_sketch_loads(n, seed, step, rows, cols, loads, None)
+        run.expect("hc_count_sketch_loads", case, loads,
+                   np.array([np.bincount(ref.sketch_hash(seed, j, n, cols, step)[0], minlength=cols)
+                             for j in range(rows)], np.int32).reshape(rows, cols))
     for rows in QUERY_ROWS:  # special values, as test_medians_order_non_finite_values_and_zeros_as_numpy
         for n, cols in ((5000, 40), (3, 7), (200_000, 70_000)):
             sketch = rng.choice(SPECIAL, (rows, cols)).astype(np.float32)

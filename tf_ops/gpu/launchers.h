@@ -123,6 +123,10 @@ int hc_count_sketch_f16(const void* x, int64_t n, int64_t seed, int64_t step, in
                         float* sketch, void* workspace, hc_stream stream);
 int hc_count_sketch_bf16(const void* x, int64_t n, int64_t seed, int64_t step, int64_t rows, int64_t cols,
                          float* sketch, void* workspace, hc_stream stream);
+// loads[rows, cols]: how many of the coordinates i < n (n < 2^31) each row hashes to each cell (CountSketch's
+// count_loads).
+int hc_count_sketch_loads(int64_t n, int64_t seed, int64_t step, int64_t rows, int64_t cols, int32_t* loads,
+                          hc_stream stream);
 // estimate[n]: the median over the rows of sketch[rows, cols] of every coordinate i < n.
 int hc_count_sketch_query(const float* sketch, int64_t rows, int64_t cols, int64_t n, int64_t seed, int64_t step,
                           float* estimate, hc_stream stream);

@@ -14,6 +14,8 @@
 //   and SketchMedian; for more rows, the value at each needed position of the same stable order, found by
 //   ranks (no per-thread array; rows^2 hashes per coordinate).
 // - CountSketchBuckets: one thread per (row, index).
+// - CountSketch's loads (count_loads): one thread per (row, coordinate), an integer atomicAdd to its cell's count
+//   (integer sums do not depend on their order).
 // Limits: n < 2^32 and cols < 2^32 (32-bit cells and positions; cudaErrorInvalidValue otherwise).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -229,6 +231,23 @@ __global__ void BucketsKernel(const int64_t* indices, int64_t m, int64_t n, int6
   }
 }
 
+__global__ void LoadsKernel(int64_t n, int64_t hash_seed, int64_t rows, int64_t cols, int32_t* loads) {
+  const Regions regions = RegionsOf(n, cols);
+  HC_GRID_LOOP(t, rows * n) {
+    const int64_t j = t / n, i = t % n;
+    atomicAdd(loads + j * cols + SketchCell(regions, RowKey(hash_seed, j), i).bucket, 1);
+  }
+}
+
+int CountSketchLoads(int64_t n, int64_t seed, int64_t step, int64_t rows, int64_t cols, int32_t* loads,
+                     cudaStream_t stream) {
+  if (!SketchSizesOk(n, rows, cols) || n > int64_t{0x7FFFFFFF}) return cudaErrorInvalidValue;
+  const cudaError_t status = cudaMemsetAsync(loads, 0, sizeof(int32_t) * static_cast<size_t>(rows * cols), stream);
+  if (status != cudaSuccess || n == 0) return status;
+  LoadsKernel<<<Blocks(rows * n), kThreads, 0, stream>>>(n, SketchSeed(seed, step), rows, cols, loads);
+  return Launched();
+}
+
 int CountSketchBuckets(const int64_t* indices, int64_t m, int64_t n, int64_t seed, int64_t step, int64_t rows,
                        int64_t cols, int64_t* buckets, cudaStream_t stream) {
   if (m < 0 || n < 0 || rows < 1 || cols < 1) return cudaErrorInvalidValue;
@@ -261,6 +280,11 @@ int hc_count_sketch_f16(const void* x, int64_t n, int64_t seed, int64_t step, in
 int hc_count_sketch_bf16(const void* x, int64_t n, int64_t seed, int64_t step, int64_t rows, int64_t cols,
                          float* sketch, void* workspace, hc_stream stream) {
   return CountSketch(static_cast<const __nv_bfloat16*>(x), n, seed, step, rows, cols, sketch, workspace, stream);
+}
+
+int hc_count_sketch_loads(int64_t n, int64_t seed, int64_t step, int64_t rows, int64_t cols, int32_t* loads,
+                          hc_stream stream) {
+  return CountSketchLoads(n, seed, step, rows, cols, loads, stream);
 }
 
 int hc_count_sketch_query(const float* sketch, int64_t rows, int64_t cols, int64_t n, int64_t seed, int64_t step,
