@@ -199,8 +199,11 @@ def same_run_rows(wire_json, overhead_json):
     overhead = results.load(overhead_json)
     optimizer = overhead[0]["optimizer"]
     model = overhead[0]["model"]
-    machine = cost.Machine.from_steps(f"{overhead_json} ({results.machine()})", model_shapes(model),
-                                      {r["method"]: r["step_ms"] for r in overhead}, optimizer)
+    floor = next((r["step_ms"] for r in overhead if r["method"] == "no_exchange"), None)
+    # (interleaved rows carry what they add to the floor's step of the same turn: the floor plus it)
+    steps = {r["method"]: floor + r["added_ms"] if floor is not None and r.get("added_ms") is not None
+             else r["step_ms"] for r in overhead}
+    machine = cost.Machine.from_steps(f"{overhead_json} ({results.machine()})", model_shapes(model), steps, optimizer)
     rows = [{"link": r["rate"], "hosts": r["layout"], "model": r["model"], "method": r["method"],
              "step ms": str(r["step_ms"]), "accounted bytes/step/worker": str(r["accounted"])}
             for r in results.load(wire_json) if r["model"] == model]

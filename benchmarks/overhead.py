@@ -7,20 +7,26 @@ One rank, no horovodrun: Horovod's size is 1 (hvd.init() works without a
 launcher), so the collectives move no bytes and what is left is the
 computation each method adds, and Horovod's own cost of running a collective
 (copies into and out of its buffers, handing the op to its background thread
-and back). Per model (benchmarks/wire.py's mlp25m and digits_cnn) and method,
-a fresh process (this script, --role=worker) builds the model and the
-optimizer (wire.benchmarked_optimizer's: hc.methods' names and wire.py's variants
-over --optimizer's optimizer, SGD(0.01, momentum 0.9, Nesterov) or AdamW(1e-3,
-weight decay 0.01); no_exchange is that optimizer bare, no Horovod wrapper, the
-floor), compiles
-launch.training_step on one random batch of --batch_size, runs it --warmup
-times, then:
-- step ms: the median wall time of --steps steps (step().numpy()), not profiled;
-  beside it, the ms it adds to no_exchange's step, and the ratio. With
-  --rounds=R every method runs R times in turn (a fresh process each time:
-  round 1 runs each once, then round 2...) and its row is the round of its
-  median step, with the rounds' range: on a shared VM one process's step can
-  differ from the next one's by 15 ms;
+and back). Per model (benchmarks/wire.py's mlp25m and digits_cnn), a fresh
+process (this script, --role=worker) builds the model, and over it an
+optimizer per method (wire.benchmarked_optimizer's: hc.methods' names and
+wire.py's variants over --optimizer's optimizer, SGD(0.01, momentum 0.9,
+Nesterov) or AdamW(1e-3, weight decay 0.01); no_exchange is that optimizer
+bare, no Horovod wrapper, the floor), compiles launch.training_step of each on
+one random batch of --batch_size, runs each --warmup times, then:
+- step ms: the median wall time of --steps steps (step().numpy()), not
+  profiled, the methods taking their steps in turn (A B C, A B C, ...); beside
+  it, the ms it adds to no_exchange's step: the median over the turns of its
+  step less no_exchange's in the same turn. On a shared VM a neighbour's load
+  comes and goes within seconds (one process's steps moved from 450 to 360 ms
+  within a run of 20), and a step taken beside the floor's pays the same; the
+  methods train one model, so their forward and backward passes read the same
+  memory (with a model per method, the same matmuls took 196 to 275 ms a step
+  in one process).
+  --nointerleave runs a process per method instead and subtracts the floor's
+  median step. With --rounds=R every job runs R times in turn (a fresh
+  process each time) and a row is the round of its median addition (its
+  median step without interleaving), with the rounds' range;
 - phases: --profile_steps more steps under TensorFlow's profiler
   (tf.profiler.experimental, host tracer), whose XSpace
   (tensorflow.tsl.profiler.protobuf.xplane_pb2) has one event per op the
@@ -74,6 +80,7 @@ them, with its own defaults): --methods, --models, --steps, --warmup,
 --model, --result.
 """
 import collections
+import functools
 import json
 import os
 import pathlib
@@ -106,6 +113,9 @@ ASYNC_START, ASYNC_DONE = "ExecutorState::ProcessAsync::Start", "ExecutorState::
 flags.DEFINE_integer("profile_steps", 10, "Profiled steps (after the timed ones) for the phases.", lower_bound=1)
 flags.DEFINE_integer("threads", 1, "TF_NUM_INTRAOP_THREADS of the workers (inter-op: always 1).")
 flags.DEFINE_integer("top_ops", 5, "The JSON keeps this many costliest ops per phase.")
+flags.DEFINE_bool("interleave", True, "Every method of a model in one process, their steps taken in turn; what a "
+                  "method adds to the floor is the median of its step less the floor's in the same turn. False: a "
+                  "process per method, the floor's median step subtracted.")
 flags.DEFINE_bool("horovod_allreduce_at_size_1", True, "Makes Horovod's DistributedOptimizer (horovod_fp32, "
                   "horovod_fp16) run its allreduce and casts on one rank, where it otherwise skips them.")
 for name in ("methods", "models", "steps", "warmup", "rounds", "batch_size", "optimizer", "tf_cpu_allocator", "timeout",
@@ -117,8 +127,13 @@ FLAGS.set_default("steps", 20)
 FLAGS.set_default("out", "results/overhead.json")
 
 
-# -- worker: one model and method in this process --------------------------------------------------
+# -- worker: one model's methods in this process ---------------------------------------------------
 def worker():
+    """Builds --model once and an optimizer over it per method of --methods, runs each method's step --warmup
+    times, then times --steps turns in which every method takes one step in turn (A B C, A B C, ...), and profiles
+    each; writes their rows. A method's added_ms is the median over the turns of its step less the floor's step
+    in the same turn (where the floor is among them): a shared machine's drift falls on both alike, and the
+    forward and backward passes run on the same weights, in the same memory."""
     import hvd_compress as hc
     import tensorflow as tf
     import horovod.tensorflow as hvd
@@ -126,34 +141,45 @@ def worker():
 
     keras = hc.require_legacy_keras()
     hvd.init()
-    tf.keras.utils.set_random_seed(0)
-    model = wire.build_model(keras, FLAGS.model)
     if FLAGS.horovod_allreduce_at_size_1:
         allreduce_at_size_1(hvd)
-    optimizer, _ = wire.benchmarked_optimizer(hc, hvd_keras, keras, FLAGS.method)
-    train = launch.training_step(keras, model, optimizer)  # a tf.function: its graph tells encode from decode
+    tf.keras.utils.set_random_seed(0)
+    model = wire.build_model(keras, FLAGS.model)
     x = tf.random.normal([FLAGS.batch_size, *model.input_shape[1:]])
     y = tf.random.uniform([FLAGS.batch_size], 0, model.output_shape[-1], tf.int64)
-    step = lambda: train(x, y)  # noqa: E731
-    times = []
-    for _ in range(FLAGS.warmup + FLAGS.steps):
-        start = time.perf_counter()
-        step().numpy()
-        times.append(1000 * (time.perf_counter() - start))
-    times = times[FLAGS.warmup:]
-    roles = exchange_roles(train.get_concrete_function(x, y).graph.as_graph_def())
-    steps = [attribute(ops, window, collectives, roles, optimizer.name)
-             for ops, window, collectives in step_events(profile(step, FLAGS.profile_steps))]
-    median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
-    pathlib.Path(FLAGS.result).write_text(json.dumps(dict(
-        model=FLAGS.model, method=FLAGS.method, optimizer=FLAGS.optimizer, params=int(sum(v.shape.num_elements()
-                                                                for v in model.trainable_variables)),
-        step_ms=statistics.median(times), step_ms_each=times,
-        phases_ms={p: median(p) for p in PHASES}, runtime_ms=median("runtime"),
-        profiled_step_ms=median("step"), top_ops=top_ops(steps, FLAGS.top_ops),
-        steps=FLAGS.steps, warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
-        batch_size=FLAGS.batch_size, intra_op_threads=FLAGS.threads,
-        horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1)))
+    jobs = []
+    for method in FLAGS.methods:
+        optimizer, _ = wire.benchmarked_optimizer(hc, hvd_keras, keras, method)
+        train = launch.training_step(keras, model, optimizer)  # a tf.function: its graph tells encode from decode
+        step = functools.partial(train, x, y)
+        for _ in range(FLAGS.warmup):
+            step().numpy()
+        jobs.append(dict(method=method, optimizer=optimizer, train=train, step=step, times=[]))
+    for _ in range(FLAGS.steps):
+        for job in jobs:
+            start = time.perf_counter()
+            job["step"]().numpy()
+            job["times"].append(1000 * (time.perf_counter() - start))
+    floor = next((job for job in jobs if job["method"] == BASELINE), None)
+    rows = []
+    for job in jobs:
+        roles = exchange_roles(job["train"].get_concrete_function(x, y).graph.as_graph_def())
+        steps = [attribute(ops, window, collectives, roles, job["optimizer"].name)
+                 for ops, window, collectives in step_events(profile(job["step"], FLAGS.profile_steps))]
+        median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731,B023
+        added = (statistics.median(t - f for t, f in zip(job["times"], floor["times"]))
+                 if floor is not None and job is not floor else None)
+        rows.append(dict(
+            model=FLAGS.model, method=job["method"], optimizer=FLAGS.optimizer,
+            params=int(sum(v.shape.num_elements() for v in model.trainable_variables)),
+            step_ms=statistics.median(job["times"]), step_ms_each=job["times"], added_ms=added,
+            interleaved=[j["method"] for j in jobs] if len(jobs) > 1 else None,
+            phases_ms={p: median(p) for p in PHASES}, runtime_ms=median("runtime"),
+            profiled_step_ms=median("step"), top_ops=top_ops(steps, FLAGS.top_ops),
+            steps=FLAGS.steps, warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
+            batch_size=FLAGS.batch_size, intra_op_threads=FLAGS.threads,
+            horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1))
+    pathlib.Path(FLAGS.result).write_text(json.dumps(rows))
 
 
 def allreduce_at_size_1(hvd):
@@ -312,12 +338,13 @@ def top_ops(steps, count):
 
 
 # -- launcher: a worker per model and method ---------------------------------------------------------
-def run_job(model, method):
-    """Runs one worker (a fresh process: nothing left over from the other methods); its row."""
+def run_job(model, methods):
+    """Runs one worker (a fresh process: nothing left over from another job) for the methods (interleaved where
+    several); their rows."""
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         result = pathlib.Path(tmp) / "row.json"
         argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--role=worker", f"--model={model}",
-                f"--method={method}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
+                f"--methods={','.join(methods)}", f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}",
                 f"--profile_steps={FLAGS.profile_steps}", f"--batch_size={FLAGS.batch_size}",
                 f"--threads={FLAGS.threads}", f"--top_ops={FLAGS.top_ops}", f"--result={result}",
                 f"--optimizer={FLAGS.optimizer}",
@@ -329,8 +356,29 @@ def run_job(model, method):
                               text=True)
         if done.returncode:
             tail = "\n".join(done.stdout.splitlines()[-30:])
-            raise RuntimeError(f"{model} {method}: the worker exited with {done.returncode}:\n{tail}")
-        return dict(json.loads(result.read_text()), tf_cpu_allocator=FLAGS.tf_cpu_allocator)
+            raise RuntimeError(f"{model} {','.join(methods)}: the worker exited with {done.returncode}:\n{tail}")
+        return [dict(row, tf_cpu_allocator=FLAGS.tf_cpu_allocator) for row in json.loads(result.read_text())]
+
+
+def median_round(rounds):
+    """One method's row over its rounds: where its steps were paired with the floor's (interleaved), the round of
+    its median added_ms, with every round's in added_ms_rounds; otherwise the round of its median step
+    (wire.median_round). Either way every round's step is in step_ms_rounds."""
+    if rounds[0].get("added_ms") is None:
+        return wire.median_round(rounds)
+    middle = statistics.median_low([r["added_ms"] for r in rounds])
+    row = next(r for r in rounds if r["added_ms"] == middle)
+    return dict(row, step_ms_rounds=[r["step_ms"] for r in rounds], added_ms_rounds=[r["added_ms"] for r in rounds])
+
+
+def added_cell(row, baseline):
+    """What a row adds to the floor's step (ms): the median of its paired differences where it was interleaved
+    with the floor (with the rounds' range), else its step less the floor's row's."""
+    if row.get("added_ms") is not None:
+        rounds = row.get("added_ms_rounds") or []
+        spread = f" ({min(rounds):+.0f} to {max(rounds):+.0f})" if len(rounds) > 1 else ""
+        return f"{row['added_ms']:+.1f}{spread}"
+    return f"{row['step_ms'] - baseline['step_ms']:+.1f}" if baseline and row is not baseline else "-"
 
 
 def baseline_of(rows):
@@ -342,12 +390,10 @@ def print_table(model, rows):
     baseline = baseline_of(rows)
     print(f"\n### {model} ({rows[0]['params']:,} parameters, batch {FLAGS.batch_size}, "
           f"{wire.OPTIMIZERS[FLAGS.optimizer]})\n")
-    print(f"| method | step ms | vs {BASELINE} | " + " | ".join(PHASES) + " | runtime | profiled step |")
+    print(f"| method | step ms | added to {BASELINE}, ms | " + " | ".join(PHASES) + " | runtime | profiled step |")
     print("|---|---:|---:|" + "---:|" * (len(PHASES) + 2))
     for r in rows:
-        versus = (f"{r['step_ms'] - baseline['step_ms']:+.1f} ms ({r['step_ms'] / baseline['step_ms']:.2f}x)"
-                  if baseline else "-")
-        print(f"| {r['method']} | {r['step_ms']:.1f} | {versus} | "
+        print(f"| {r['method']} | {wire.step_cell(r)} | {added_cell(r, baseline)} | "
               + " | ".join(f"{r['phases_ms'][p]:.2f}" for p in PHASES)
               + f" | {r['runtime_ms']:.2f} | {r['profiled_step_ms']:.1f} |")
 
@@ -362,21 +408,25 @@ def main(_):
           f"over them), {FLAGS.threads} intra-op and 1 inter-op TensorFlow thread. These are CPU timings: "
           f"the machine should be quiet (nothing else running).", flush=True)
     runs = {}  # (model, method) -> its rounds' rows; a round runs every job once, in turn
+    jobs = [FLAGS.methods] if FLAGS.interleave else [[method] for method in FLAGS.methods]
     for round_ in range(FLAGS.rounds):
         for model in FLAGS.models:
-            for method in FLAGS.methods:
-                r = run_job(model, method)
-                runs.setdefault((model, method), []).append(r)
-                which = f" (round {round_ + 1} of {FLAGS.rounds})" if FLAGS.rounds > 1 else ""
-                print(f"{model} {method}{which}: step {r['step_ms']:.1f} ms; " + ", ".join(
-                    f"{p} {r['phases_ms'][p]:.2f}" for p in PHASES) + f" ms (profiled step "
-                      f"{r['profiled_step_ms']:.1f} ms)", flush=True)
-    rows = [wire.median_round(rounds) for rounds in runs.values()]
+            for methods in jobs:
+                for r in run_job(model, methods):
+                    runs.setdefault((model, r["method"]), []).append(r)
+                    which = f" (round {round_ + 1} of {FLAGS.rounds})" if FLAGS.rounds > 1 else ""
+                    added = f" ({r['added_ms']:+.1f} paired)" if r.get("added_ms") is not None else ""
+                    print(f"{model} {r['method']}{which}: step {r['step_ms']:.1f} ms{added}; " + ", ".join(
+                        f"{p} {r['phases_ms'][p]:.2f}" for p in PHASES) + f" ms (profiled step "
+                          f"{r['profiled_step_ms']:.1f} ms)", flush=True)
+    rows = [median_round(rounds) for rounds in runs.values()]
     for model in FLAGS.models:
         print_table(model, [r for r in rows if r["model"] == model])
-    print(f"\nstep ms: unprofiled median. vs {BASELINE}: ms added to the step of the bare "
-          f"{wire.OPTIMIZERS[FLAGS.optimizer]} (no wrapper), and the ratio. "
-          "Phases (profiled): compute = forward + backward; encode = the exchange's ops that feed a collective "
+    print(f"\nstep ms: unprofiled median. added to {BASELINE}: ms added to the step of the bare "
+          f"{wire.OPTIMIZERS[FLAGS.optimizer]} (no wrapper): "
+          + ("the median of the method's step less the floor's in the same turn (interleaved). " if FLAGS.interleave
+             else "the step less the floor's. ")
+          + "Phases (profiled): compute = forward + backward; encode = the exchange's ops that feed a collective "
           "(error feedback, compression, casts); collective = Horovod's ops and the wait for them (on one rank: "
           "its own overhead, copies and cycle); decode = the exchange's ops after them; apply = the optimizer's "
           "updates and hvd_compress's residual / momentum / state assigns; runtime = the tf.function call "
@@ -388,7 +438,8 @@ def main(_):
                                   warmup=FLAGS.warmup, rounds=FLAGS.rounds, profile_steps=FLAGS.profile_steps,
                                   batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer, threads=FLAGS.threads,
                                   horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1,
-                                  tf_cpu_allocator=FLAGS.tf_cpu_allocator, out=FLAGS.out)
+                                  tf_cpu_allocator=FLAGS.tf_cpu_allocator, interleave=FLAGS.interleave,
+                                  out=FLAGS.out)
     print(f"\nReproduce with:\n    {command}")
     results.save(FLAGS.out, rows)
     publish(rows)
@@ -406,13 +457,15 @@ def render(rows):
             + ", one rank (no network), "
             f"{r0['intra_op_threads']} intra-op and 1 inter-op thread, {launch.allocator_note(r0)}; step: median of "
             f"{r0['steps']} steps after {r0['warmup']}"
-            + (f", the round of the median step of {len(r0['step_ms_rounds'])}, every method once a round, with the "
-               f"rounds' range" if len(r0.get("step_ms_rounds") or []) > 1 else "")
+            + ("; every method in one process, their steps taken in turn, and what a method adds to "
+               f"{BASELINE} the median of its step less {BASELINE}'s in the same turn" if r0.get("interleaved") else "")
+            + (f"; the round of the median {'addition' if r0.get('interleaved') else 'step'} of "
+               f"{len(r0['step_ms_rounds'])}, every method once a round, with the rounds' range"
+               if len(r0.get("step_ms_rounds") or []) > 1 else "")
             + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms.")
     table = results.markdown_table(
         ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],
-        [[r["method"], wire.step_cell(r),
-          f"{r['step_ms'] - baseline['step_ms']:+.1f}" if baseline and r is not baseline else "-",
+        [[r["method"], wire.step_cell(r), added_cell(r, baseline),
           *(f"{r['phases_ms'][p]:.1f}" for p in PHASES)] for r in rows])
     return f"{note}\n\n{table}"
 

@@ -1,5 +1,6 @@
 """benchmarks/overhead.py as its users run it, small: every row beside the floor (no_exchange, the bare optimizer)
-of the same optimizer, and the wrapped methods compressing from the first timed step under AdamW."""
+of the same optimizer, its steps taken in turn with the floor's, and the wrapped methods compressing from the first
+timed step under AdamW."""
 import json
 import os
 import pathlib
@@ -20,7 +21,13 @@ def test_every_row_stands_beside_no_exchange_of_the_same_optimizer(tmp_path):
     assert set(rows) == {"no_exchange", "horovod_fp16", "onebit"}
     assert {r["optimizer"] for r in rows.values()} == {"adamw"} and all(r["step_ms"] > 0 for r in rows.values())
     assert {r["tf_cpu_allocator"] for r in rows.values()} == {"bfc"}  # the benchmarks' default allocator
-    assert "| method | step ms | vs no_exchange |" in proc.stdout
+    methods = ["no_exchange", "horovod_fp16", "onebit"]
+    assert all(r["interleaved"] == methods and len(r["step_ms_each"]) == 2 for r in rows.values())
+    assert rows["no_exchange"]["added_ms"] is None
+    for method in methods[1:]:  # the median of the paired differences: of two, their mean
+        paired = [t - f for t, f in zip(rows[method]["step_ms_each"], rows["no_exchange"]["step_ms_each"])]
+        assert abs(rows[method]["added_ms"] - sum(paired) / 2) < 1e-9
+    assert "| method | step ms | added to no_exchange, ms |" in proc.stdout
     assert "| onebit |" in proc.stdout and "AdamW(1e-3, weight_decay=0.01)" in proc.stdout
 
 
