@@ -199,6 +199,7 @@ def same_run_rows(wire_json, overhead_json):
     overhead = results.load(overhead_json)
     optimizer = overhead[0]["optimizer"]
     model = overhead[0]["model"]
+    overhead = [r for r in overhead if r["model"] == model]
     floor = next((r["step_ms"] for r in overhead if r["method"] == "no_exchange"), None)
     # (interleaved rows carry what they add to the floor's step of the same turn: the floor plus it)
     steps = {r["method"]: floor + r["added_ms"] if floor is not None and r.get("added_ms") is not None

@@ -22,7 +22,9 @@ one random batch of --batch_size, runs each --warmup times, then:
   within a run of 20), and a step taken beside the floor's pays the same; the
   methods train one model, so their forward and backward passes read the same
   memory (with a model per method, the same matmuls took 196 to 275 ms a step
-  in one process).
+  in one process). The turns follow --methods' order; the methods share
+  Horovod's tensor names in one process (on one rank its negotiation is
+  local).
   --nointerleave runs a process per method instead and subtracts the floor's
   median step. With --rounds=R every job runs R times in turn (a fresh
   process each time) and a row is the round of its median addition (its
@@ -76,8 +78,9 @@ machine).
 
 Flags shared with benchmarks/wire.py (its module defines them; this one reuses
 them, with its own defaults): --methods, --models, --steps, --warmup,
---rounds, --batch_size, --optimizer, --timeout, --out, and the worker's --role, --method,
---model, --result.
+--rounds, --batch_size, --optimizer, --timeout (per method: an interleaved job
+of N methods may take N times it), --out, and the worker's --role, --model,
+--result (the worker takes --methods too).
 """
 import collections
 import functools
@@ -352,7 +355,8 @@ def run_job(model, methods):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}  # one rank, not a launcher's
         env.update(TF_NUM_INTRAOP_THREADS=str(FLAGS.threads), TF_NUM_INTEROP_THREADS="1", OMP_NUM_THREADS="1",
                    TF_CPP_MIN_LOG_LEVEL="2", **launch.allocator_env(FLAGS.tf_cpu_allocator))
-        done = subprocess.run(argv, env=env, timeout=FLAGS.timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        done = subprocess.run(argv, env=env, timeout=FLAGS.timeout * len(methods), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
                               text=True)
         if done.returncode:
             tail = "\n".join(done.stdout.splitlines()[-30:])
@@ -424,8 +428,8 @@ def main(_):
         print_table(model, [r for r in rows if r["model"] == model])
     print(f"\nstep ms: unprofiled median. added to {BASELINE}: ms added to the step of the bare "
           f"{wire.OPTIMIZERS[FLAGS.optimizer]} (no wrapper): "
-          + ("the median of the method's step less the floor's in the same turn (interleaved). " if FLAGS.interleave
-             else "the step less the floor's. ")
+          + ("the median of the method's step less the floor's in the same turn (interleaved). "
+             if FLAGS.interleave and BASELINE in FLAGS.methods else "the step less the floor's. ")
           + "Phases (profiled): compute = forward + backward; encode = the exchange's ops that feed a collective "
           "(error feedback, compression, casts); collective = Horovod's ops and the wait for them (on one rank: "
           "its own overhead, copies and cycle); decode = the exchange's ops after them; apply = the optimizer's "
@@ -450,6 +454,7 @@ def render(rows):
     (no_exchange: the bare optimizer), and the profiled phases (ms)."""
     baseline = baseline_of(rows)
     r0 = rows[0]
+    paired = any(r.get("added_ms") is not None for r in rows)  # (interleaved beside the floor)
     optimizer = r0.get("optimizer", "sgd")
     note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']}, every method on Keras's "
             f"{wire.OPTIMIZERS[optimizer]}"
@@ -458,8 +463,8 @@ def render(rows):
             f"{r0['intra_op_threads']} intra-op and 1 inter-op thread, {launch.allocator_note(r0)}; step: median of "
             f"{r0['steps']} steps after {r0['warmup']}"
             + ("; every method in one process, their steps taken in turn, and what a method adds to "
-               f"{BASELINE} the median of its step less {BASELINE}'s in the same turn" if r0.get("interleaved") else "")
-            + (f"; the round of the median {'addition' if r0.get('interleaved') else 'step'} of "
+               f"{BASELINE} the median of its step less {BASELINE}'s in the same turn" if paired else "")
+            + (f"; the round of the median {'addition' if paired else 'step'} of "
                f"{len(r0['step_ms_rounds'])}, every method once a round, with the rounds' range"
                if len(r0.get("step_ms_rounds") or []) > 1 else "")
             + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms.")

@@ -209,8 +209,15 @@ def test_top_k_of_a_sketch_refuses_loads_of_another_sketch():
     _, loads = ops.count_sketch(tf.ones([20]), 1, 10, count_loads=True)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"loads must be .* \[1, cols = 9\]"):
         ops.count_sketch_top_k(tf.zeros([1, 9]), tf.zeros([20]), 3, loads=loads)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="loads sum to 20, not to x's 21 elements"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="loads sum to 20 with 0 negative, not to x's 21 elements"):
         ops.count_sketch_top_k(tf.zeros([1, 10]), tf.zeros([21]), 3, loads=loads)
+    crafted = tf.constant([[25, -5] + [0] * 8], tf.int32)  # (sums to 20: a region's place would pass k)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="with 1 negative"):
+        ops.count_sketch_top_k(tf.zeros([1, 10]), tf.zeros([20]), 3, loads=crafted)
+    x = np.random.default_rng(0).standard_normal(50_000).astype(np.float32)
+    sketch, other_step = ops.count_sketch(x, 1, 9_000, 7, 1, count_loads=True)  # two regions of other hashes
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the loads do not match x's hashes"):
+        ops.count_sketch_top_k(sketch, x, 5_000, 7, 2, loads=other_step)
 
 
 @pytest.mark.skipif("avx512dq" not in open("/proc/cpuinfo").read(), reason="the CPU has no AVX-512: one hash only")

@@ -801,7 +801,8 @@ class CountSketchGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({rows_, cols_}), &sketch));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, count_loads_ ? TensorShape({rows_, cols_}) : TensorShape({0, 0}),
                                              &loads));
-    if (count_loads_) {
+    if (count_loads_) {  // (the GPU selection reads none; a hash pass, small beside the sketch's sort, so that a CPU
+                         // selection of this sketch can)
       HC_LAUNCH(ctx, hc_count_sketch_loads, n, ctx->input(xs.size()).scalar<int64_t>()(),
                 ctx->input(xs.size() + 1).scalar<int64_t>()(), rows_, cols_, Ptr<int32_t>(*loads), StreamOf(ctx));
     }

@@ -436,12 +436,15 @@ class CountSketchTopKOp : public OpKernel {
     const Tensor& given = ctx->input(1);
     std::unique_ptr<int32_t[]> loads_buffer;
     const int32_t* loads = given.flat<int32_t>().data();
-    if (given.NumElements() != 0) {
-      int64_t total = 0;
-      for (int64_t c = 0; c < cols; ++c) total += loads[c];
-      OP_REQUIRES(ctx, total == n,
-                  InvalidArgument("loads sum to ", total, ", not to x's ", n, " elements: give count_sketch's loads ",
-                                  "of the same x's size, seed and step"));
+    if (given.NumElements() != 0) {  // (non-negative, so that no region's place in the output passes k)
+      int64_t total = 0, negative = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        total += loads[c];
+        negative += loads[c] < 0;
+      }
+      OP_REQUIRES(ctx, total == n && negative == 0,
+                  InvalidArgument("loads sum to ", total, " with ", negative, " negative, not to x's ", n,
+                                  " elements: give count_sketch's loads of the same x's size, seed and step"));
     } else {
       loads_buffer.reset(new int32_t[cols]);
       int32_t* counted = loads_buffer.get();
@@ -502,6 +505,12 @@ class CountSketchTopKOp : public OpKernel {
       ties_left[s] = ties;
       return out[s] < end[s];
     });
+    for (int64_t s = 0; s < regions.count; ++s) {  // given loads of other hashes leave a region short of its place
+      const int64_t start = s ? end[s - 1] : 0;
+      OP_REQUIRES(ctx, out[s] == end[s],
+                  InvalidArgument("the loads do not match x's hashes (region ", s, " selected ", out[s] - start, " of ",
+                                  end[s] - start, "): give count_sketch's loads of the same seed and step"));
+    }
   }
 };
 
