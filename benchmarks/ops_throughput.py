@@ -7,7 +7,11 @@ and writes n; a fused kernel reads and writes more (momentum_error_feed reads g,
 and writes m and a: five streams of n floats), so beside that table a second one gives each
 fused kernel's memory traffic, the bytes it must read and write at least (TRAFFIC, in streams
 of n floats), per second, as a fraction of a copy's (two streams) in the same run: a fraction
-near 1 means the kernel runs at the machine's memory bandwidth. "stock TF" is
+near 1 means the kernel runs at the machine's memory bandwidth. The ops are timed in rounds,
+every op once a round right after a copy, and the fraction is the median over the rounds of
+the pair's ratio: on a shared 2-core VM a neighbour's load that came and went between one op's
+timings and the copy's moved it by 0.2 or more, which a pair a few milliseconds apart shares.
+"stock TF" is
 the same computation written with tf.sign/floor/cast/reshape/reduce ops, the way
 pure-Python compression plugins do it. Writes results/ops_throughput.json and
 prints a markdown table.
@@ -33,7 +37,7 @@ from hvd_compress import ops, quantize_ops  # noqa: E402
 from hvd_compress.compression import Compression  # noqa: E402
 
 flags.DEFINE_list("sizes", ["1M", "16M", "64M"], "Tensor sizes in floats (K/M suffixes).")
-flags.DEFINE_integer("repeats", 7, "Timed calls per figure (the median is reported).")
+flags.DEFINE_integer("repeats", 7, "Rounds, each timing every op once after a copy (medians are reported).")
 flags.DEFINE_integer("ranks", 4, "Payloads averaged by unpack_mean and quantize's decode_mean.")
 flags.DEFINE_integer("quantize_block", 256, "Block size of the quantize ops (Compression.quantize's default).")
 flags.DEFINE_float("topk_ratio", 0.01, "k / n for top-k.")
@@ -41,6 +45,7 @@ flags.DEFINE_string("out", "results/ops_throughput.json", "Where to write the fi
 FLAGS = flags.FLAGS
 
 POWERS = (1 << np.arange(8, dtype=np.int32)).astype(np.uint8)
+COPY = "copy (DeepCopy)"
 
 
 def stock_pack(x):
@@ -133,7 +138,7 @@ def stock_quantize_decode_mean(packed, scales, offsets, n, bits, block):
 #: ranks: R x their size; in place (decay_and_subtract): the variable read and written.
 def traffic(ranks):
     return {
-        "copy (DeepCopy)": 2,
+        COPY: 2,
         "pack with residual (block_sign_compress)": 1 + 1 / 32 + 1,  # x; the signs, the residual
         "quantize compress (8 bits, stochastic)": 1 + 1 / 4 + 1,  # x; the codes, the residual
         "quantize compress (4 bits, stochastic)": 1 + 1 / 8 + 1,
@@ -151,15 +156,30 @@ def traffic(ranks):
     }
 
 
-def median_seconds(fn, *args):
-    fn(*args)  # trace and warm up
-    times = []
+def seconds(fn, *args):
+    """One call's wall time."""
+    start = time.perf_counter()
+    result = fn(*args)
+    tf.nest.map_structure(lambda t: t.shape, result)  # ops on CPU run synchronously
+    return time.perf_counter() - start
+
+
+def interleaved(cases):
+    """--repeats rounds, each calling every case once in turn, each right after a copy: per case, the median time and
+    the median over rounds of the copy's time over the op's (the two a few milliseconds apart, so a neighbour's load
+    that comes and goes on a shared machine weighs on both)."""
+    copy = cases[COPY]
+    for fn, *args in cases.values():
+        fn(*args)  # trace and warm up
+    times = {name: [] for name in cases}
+    copy_over = {name: [] for name in cases}
     for _ in range(FLAGS.repeats):
-        start = time.perf_counter()
-        result = fn(*args)
-        tf.nest.map_structure(lambda t: t.shape, result)  # ops on CPU run synchronously
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, (fn, *args) in cases.items():
+            before = seconds(*copy)
+            times[name].append(seconds(fn, *args))
+            copy_over[name].append(before / times[name][-1])
+    return ({name: statistics.median(t) for name, t in times.items()},
+            {name: statistics.median(r) for name, r in copy_over.items()})
 
 
 def parse_size(text):
@@ -216,7 +236,7 @@ def measure(n):
     v = tf.abs(m) * 1e-4
     weights = [tf.Variable(m) for _ in range(2)]
     cases = {
-        "copy (DeepCopy)": (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
+        COPY: (tf.function(lambda t: tf.raw_ops.DeepCopy(x=t)), x),
         "tf.identity": (tf.function(tf.identity), x),
         "pack": (tf.function(lambda t: ops.block_sign_pack(t, bounds=bounds)), x),
         "pack, stock TF": (tf.function(stock_pack), x),
@@ -268,19 +288,20 @@ def measure(n):
         tf.function(lambda s, t, l: ops.count_sketch_top_k(s, t, candidates, loads=l)), sketches[1], x, loads)
     cases["count_sketch_top_k, as query + top_k_abs + gather"] = (tf.function(
         lambda s, t: tf.gather(t, ops.top_k_abs(ops.count_sketch_query(s, n), candidates)[1])), sketches[1], x)
-    return {name: n * 4 / median_seconds(fn, *args) / 1e9 for name, (fn, *args) in cases.items()}
+    times, copy_over = interleaved(cases)
+    return {name: n * 4 / t / 1e9 for name, t in times.items()}, copy_over
 
 
 def main(_):
     sizes = [parse_size(s) for s in FLAGS.sizes]
     threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
-    figures = {"threads": threads, "gb_per_s": {}, "bfc": os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "1",
-               "ranks": FLAGS.ranks}
+    figures = {"threads": threads, "gb_per_s": {}, "copy_over_op": {}, "repeats": FLAGS.repeats,
+               "bfc": os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "1", "ranks": FLAGS.ranks}
     for text, n in zip(FLAGS.sizes, sizes):
-        figures["gb_per_s"][text] = measure(n)
+        figures["gb_per_s"][text], figures["copy_over_op"][text] = measure(n)
         print(f"measured {text} floats", flush=True)
     names = list(next(iter(figures["gb_per_s"].values())))
-    print(f"\nGB/s of float32 input, median of {FLAGS.repeats}, {threads} CPU threads "
+    print(f"\nGB/s of float32 input, median of {FLAGS.repeats} rounds, {threads} CPU threads "
           f"(TensorFlow {tf.__version__})\n")
     print("| op | " + " | ".join(FLAGS.sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
@@ -289,7 +310,7 @@ def main(_):
     print()
     for s in FLAGS.sizes:
         r = figures["gb_per_s"][s]
-        copy = r["copy (DeepCopy)"]
+        copy = r[COPY]
         print(f"{s}: pack {r['pack'] / copy:.0%} of copy, {r['pack'] / r['pack, stock TF']:.1f}x stock TF; "
               f"unpack {r['unpack'] / copy:.0%} of copy, {r['unpack'] / r['unpack, stock TF']:.1f}x stock TF")
         for bits in (8, 4):
@@ -307,25 +328,29 @@ def render(figures):
     names = list(figures["gb_per_s"][sizes[0]])
     allocator = ("TensorFlow's BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=1)" if figures.get("bfc")
                  else "TensorFlow's default CPU allocator")
-    note = f"GB/s of float32 input (n x 4 bytes / median time), {figures['threads']} CPU threads, {allocator}."
+    note = (f"GB/s of float32 input (n x 4 bytes / median time over {figures.get('repeats', 'the')} rounds, each "
+            f"calling every op once in turn, right after a copy), {figures['threads']} CPU threads, {allocator}.")
     table = results.markdown_table(["op", *sizes],
                                    [[name, *(f"{figures['gb_per_s'][s][name]:.2f}" for s in sizes)] for name in names])
     streams = traffic(figures.get("ranks", 4))
     fused = [name for name in streams if name in names]
     traffic_note = ("The fused kernels' memory traffic: the streams of n floats each must read and write at least "
-                    "(a copy: 2), and its traffic per second as a fraction of a copy's at the same size (GB/s of "
-                    "input x streams / the copy's x 2).")
+                    "(a copy: 2), and its traffic per second as a fraction of a copy's at the same size: streams / 2 "
+                    "x the copy's time over the op's, the copy timed just before the op, the median over the rounds.")
     traffic_table = results.markdown_table(
         ["op", "streams", *(f"{s}: of a copy's traffic" for s in sizes)],
-        [[name, f"{streams[name]:.3g}", *(f"{of_copy(figures['gb_per_s'][s], name, streams):.2f}x" for s in sizes)]
+        [[name, f"{streams[name]:.3g}", *(f"{of_copy(figures, s, name, streams):.2f}x" for s in sizes)]
          for name in fused])
     return f"{note}\n\n{table}\n\n{traffic_note}\n\n{traffic_table}"
 
 
-def of_copy(gb_per_s, name, streams):
-    """The op's memory traffic per second over a copy's, in the same run (gb_per_s: one size's figures)."""
-    copy = "copy (DeepCopy)"
-    return gb_per_s[name] * streams[name] / (gb_per_s[copy] * streams[copy])
+def of_copy(figures, size, name, streams):
+    """The op's memory traffic per second over a copy's at one size: paired with the copy before it in each round
+    (figures of a run before the pairing: the ratio of the medians)."""
+    if "copy_over_op" in figures:
+        return streams[name] / streams[COPY] * figures["copy_over_op"][size][name]
+    gb_per_s = figures["gb_per_s"][size]
+    return gb_per_s[name] * streams[name] / (gb_per_s[COPY] * streams[COPY])
 
 
 def publish(figures):

@@ -124,6 +124,20 @@ def test_recode_mean_is_compress_of_decode_mean_bit_exact(layout, bits, ranks, s
         assert_bits_equal(g.numpy(), w)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_decoded_mean_past_the_caches_is_streamed_with_numpys_bits(bits):
+    """A decoded mean of 32 MB or more is written with streaming stores where a vector loop writes whole aligned
+    vectors, the rest as before: a part that starts mid-vector (its first elements one at a time), a tail, a plus."""
+    sizes = [3, 8 << 20, 1000]
+    n = sum(sizes)
+    bounds = ops.layout_bounds(sizes, 256)
+    payloads = [qops.block_quantize(sample(n, r), bounds, bits, True, (r, 11)) for r in range(3)]
+    packed, scales, offsets = (tf.stack([p[j] for p in payloads]) for j in range(3))
+    extra = sample(n, 100)
+    want = ref.block_quantize_decode_mean(packed.numpy(), scales.numpy(), offsets.numpy(), bounds, bits, extra)
+    assert_bits_equal(qops.block_quantize_decode_mean(packed, scales, offsets, bounds, bits, extra).numpy(), want)
+
+
 @pytest.mark.parametrize("ranks", [8, 16, 17])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_decode_mean_of_many_payloads_matches_numpy_bit_exact(bits, ranks):

@@ -41,6 +41,19 @@ namespace {
 // Elements coded or decoded at a time through stack buffers (L1-sized).
 constexpr int64_t kTile = 1024;
 
+// Outputs of at least this many bytes are written with streaming (non-temporal) stores where a vector loop writes
+// whole aligned vectors: larger than the last-level caches measured (32 MB), they would not stay in cache for their
+// reader, and a streaming store skips the read of every line that a cached store makes first (glibc's memcpy, the
+// copy the benchmarks compare with, streams from a size like this too).
+constexpr int64_t kStreamingBytes = 32 << 20;
+
+// Orders this thread's streaming stores before what it does next (its part of the op's end).
+inline void StreamsDone() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
 absl::Status CheckBits(int64_t bits) {
   if (bits != 2 && bits != 4 && bits != 8) return InvalidArgument("bits must be 2, 4 or 8, got ", bits);
   return absl::OkStatus();
@@ -159,7 +172,7 @@ void PackCodes(const uint8_t* q, int64_t begin, int64_t len, int bits, uint8_t* 
 }
 
 // ---------------------------------------------------------------------------
-// Coding: x[0, len) of one block -> codes q[0, len) and residual[0, len). residual may be x.
+// Coding: x[0, len) of one block -> codes (packed, or one per byte in q) and residual[0, len). residual may be x.
 // add: u_i (stochastic) or 0.5 (deterministic).
 
 inline void CodeOne(float v, float add, const QuantizeParams& p, float levels, uint8_t* q, float* residual) {
@@ -169,15 +182,21 @@ inline void CodeOne(float v, float add, const QuantizeParams& p, float levels, u
 }
 
 #if defined(__AVX__)
-// CodeOne of 8 elements.
-inline void CodeEight(const float* x, __m256 add, const QuantizeParams& p, float levels, uint8_t* q, float* residual) {
-  const __m256 offset = _mm256_set1_ps(p.offset), v = _mm256_loadu_ps(x);
-  __m256 f = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, offset), _mm256_set1_ps(p.inv)), add));
-  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps(levels));  // max_ps(NaN, 0) = 0
-  const __m256i codes = _mm256_cvttps_epi32(f);
-  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(codes), _mm256_extractf128_si256(codes, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packus_epi16(words, words));
-  _mm256_storeu_ps(residual, _mm256_sub_ps(v, _mm256_add_ps(offset, _mm256_mul_ps(f, _mm256_set1_ps(p.scale)))));
+// A block's parameters (QuantizeParams and its top level) in registers, for the vector coders.
+struct CoderOfEights {
+  __m256 offset, inv, scale, levels;
+  CoderOfEights(const QuantizeParams& p, float top)
+      : offset(_mm256_set1_ps(p.offset)), inv(_mm256_set1_ps(p.inv)), scale(_mm256_set1_ps(p.scale)),
+        levels(_mm256_set1_ps(top)) {}
+};
+
+// CodeOne of 8 elements: writes their residuals, returns their codes (int32).
+inline __m256i CodeEight(const float* x, __m256 add, const CoderOfEights& c, float* residual) {
+  const __m256 v = _mm256_loadu_ps(x);
+  __m256 f = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, c.offset), c.inv), add));
+  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), c.levels);  // max_ps(NaN, 0) = 0
+  _mm256_storeu_ps(residual, _mm256_sub_ps(v, _mm256_add_ps(c.offset, _mm256_mul_ps(f, c.scale))));
+  return _mm256_cvttps_epi32(f);
 }
 #endif
 
@@ -186,7 +205,12 @@ void CodeTile(const float* x, const float* add, int64_t len, const QuantizeParam
               float* residual) {
   int64_t i = 0;
 #if defined(__AVX__)
-  for (; i + 8 <= len; i += 8) CodeEight(x + i, _mm256_loadu_ps(add + i), p, levels, q + i, residual + i);
+  const CoderOfEights coder(p, levels);
+  for (; i + 8 <= len; i += 8) {
+    const __m256i codes = CodeEight(x + i, _mm256_loadu_ps(add + i), coder, residual + i);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(codes), _mm256_extractf128_si256(codes, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packus_epi16(words, words));
+  }
 #endif
   for (; i < len; ++i) CodeOne(x[i], add[i], p, levels, q + i, residual + i);
 }
@@ -212,44 +236,78 @@ inline int64_t DrawHead(int64_t first, int64_t len) {
   return from == static_cast<uint64_t>(QuantizeDrawHash(first + len - 1)) >> 32 ? head : len;
 }
 
-// CodeTile with the draws of elements first, first + 1, ... made in registers, 16 at a time.
+// The codes of 16 consecutive elements, one per byte in order, packed LSB first into the 2 * kBits bytes at out (the
+// vector coders start at a multiple of 16 elements, a byte boundary): 8-bit codes as they are; 4-bit ones by a
+// multiply-add of neighbouring bytes (e[2j] + 16 e[2j + 1]); 2-bit ones by one more, of neighbouring pairs.
+template <int kBits>
+__attribute__((target("avx2"))) inline void StoreSixteenCodes(__m128i codes, uint8_t* out) {
+  if constexpr (kBits == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), codes);
+  } else if constexpr (kBits == 4) {
+    const __m128i pairs = _mm_maddubs_epi16(codes, _mm_set1_epi16(0x1001));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+  } else {
+    const __m128i pairs = _mm_maddubs_epi16(codes, _mm_set1_epi16(0x0401));
+    const __m128i quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));
+    const int32_t word = _mm_cvtsi128_si32(_mm_packus_epi16(_mm_packus_epi32(quads, quads), quads));
+    std::memcpy(out, &word, sizeof(word));
+  }
+}
+
+// Element first + l, coded alone, into its bits of packed (the other bits of its byte kept) and its residual.
+inline void CodeOneInto(const float* x, uint64_t base, int64_t first, int64_t l, const QuantizeParams& p, int bits,
+                        uint8_t* packed, float* residual) {
+  uint8_t q;
+  CodeOne(x[l], QuantizeUniform(base, first + l), p, QuantizeLevels(bits), &q, residual + l);
+  PutCode(packed, bits, first + l, q);
+}
+
+// Elements [first, first + len) coded with their draws made in registers, 16 at a time, and their codes packed
+// there; x and residual point at element first.
+template <int kBits>
 __attribute__((target("avx2"))) void CodeTileDrawnAvx2(const float* x, uint64_t base, int64_t first, int64_t len,
-                                                       const QuantizeParams& p, float levels, uint8_t* q,
-                                                       float* residual) {
+                                                       const QuantizeParams& p, uint8_t* packed, float* residual) {
   int64_t i = DrawHead(first, len);
-  for (int64_t l = 0; l < i; ++l) CodeOne(x[l], QuantizeUniform(base, first + l), p, levels, q + l, residual + l);
+  for (int64_t l = 0; l < i; ++l) CodeOneInto(x, base, first, l, p, kBits, packed, residual);
   const uint64_t start = static_cast<uint64_t>(QuantizeDrawHash(first + i));
   const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(base));
   const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (start >> 32)));
   __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(start)),
                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256 unit = _mm256_set1_ps(0x1p-16f);
+  const CoderOfEights coder(p, QuantizeLevels(kBits));
+  // Two vectors of int32 codes narrowed to words and then to bytes hold elements 0-3 8-11 4-7 12-15: put in order.
+  const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
   for (; i + 16 <= len; i += 16) {
     const DrawsOfSixteen u = DrawSixteen(index, key_lo, key_hi);
-    CodeEight(x + i, _mm256_mul_ps(_mm256_cvtepi32_ps(u.high), unit), p, levels, q + i, residual + i);
-    CodeEight(x + i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(u.low), unit), p, levels, q + i + 8, residual + i + 8);
+    const __m256i low = CodeEight(x + i, _mm256_mul_ps(_mm256_cvtepi32_ps(u.high), unit), coder, residual + i);
+    const __m256i high = CodeEight(x + i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(u.low), unit), coder, residual + i + 8);
+    const __m256i words = _mm256_packus_epi32(low, high);
+    const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    StoreSixteenCodes<kBits>(_mm_shuffle_epi8(bytes, order), packed + (first + i) / 8 * kBits);
     index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
-  for (; i < len; ++i) CodeOne(x[i], QuantizeUniform(base, first + i), p, levels, q + i, residual + i);
+  for (; i < len; ++i) CodeOneInto(x, base, first, i, p, kBits, packed, residual);
 }
 
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized mistakes for a read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // CodeTileDrawnAvx2 with the 16 elements in one vector: the same draws, codes and residuals (CodeEight's operations
-// in its order; max(NaN, 0) is 0 here too, and codes in [0, 255] narrow to bytes exactly).
+// in its order; max(NaN, 0) is 0 here too, and codes in [0, 255] narrow to bytes exactly, in order).
+template <int kBits>
 __attribute__((target("avx512f,avx512bw"))) void CodeTileDrawnAvx512(const float* x, uint64_t base, int64_t first,
                                                                     int64_t len, const QuantizeParams& p,
-                                                                    float levels, uint8_t* q, float* residual) {
+                                                                    uint8_t* packed, float* residual) {
   int64_t i = DrawHead(first, len);
-  for (int64_t l = 0; l < i; ++l) CodeOne(x[l], QuantizeUniform(base, first + l), p, levels, q + l, residual + l);
+  for (int64_t l = 0; l < i; ++l) CodeOneInto(x, base, first, l, p, kBits, packed, residual);
   const uint64_t start = static_cast<uint64_t>(QuantizeDrawHash(first + i));
   const __m256i key_lo = _mm256_set1_epi32(static_cast<int32_t>(base));
   const __m256i key_hi = _mm256_set1_epi32(static_cast<int32_t>((base >> 32) ^ (start >> 32)));
   __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(start)),
                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m512 offset = _mm512_set1_ps(p.offset), inv = _mm512_set1_ps(p.inv), scale = _mm512_set1_ps(p.scale);
-  const __m512 top = _mm512_set1_ps(levels), unit = _mm512_set1_ps(0x1p-16f);
+  const __m512 top = _mm512_set1_ps(QuantizeLevels(kBits)), unit = _mm512_set1_ps(0x1p-16f);
   for (; i + 16 <= len; i += 16) {
     const DrawsOfSixteen u = DrawSixteen(index, key_lo, key_hi);
     const __m512 add = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(u.high), u.low, 1)),
@@ -258,42 +316,50 @@ __attribute__((target("avx512f,avx512bw"))) void CodeTileDrawnAvx512(const float
     __m512 f = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, offset), inv), add),
                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     f = _mm512_min_ps(_mm512_max_ps(f, _mm512_setzero_ps()), top);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(f)));
+    StoreSixteenCodes<kBits>(_mm512_cvtepi32_epi8(_mm512_cvttps_epi32(f)), packed + (first + i) / 8 * kBits);
     _mm512_storeu_ps(residual + i, _mm512_sub_ps(v, _mm512_add_ps(offset, _mm512_mul_ps(f, scale))));
     index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
   }
-  for (; i < len; ++i) CodeOne(x[i], QuantizeUniform(base, first + i), p, levels, q + i, residual + i);
+  for (; i < len; ++i) CodeOneInto(x, base, first, i, p, kBits, packed, residual);
 }
 #pragma GCC diagnostic pop
 #endif
 
 // Codes elements [begin, end) of one block into packed and residual; x and residual point at element begin
-// (residual may be x).
-template <bool kStochastic>
-void CodePiece(const float* x, float* residual, int64_t begin, int64_t end, const QuantizeParams& p, int bits,
+// (residual may be x). Stochastic rounding on an AVX2 CPU packs the codes in registers; otherwise they go through
+// a tile of bytes (PackCodes).
+template <bool kStochastic, int kBits>
+void CodePiece(const float* x, float* residual, int64_t begin, int64_t end, const QuantizeParams& p,
                uint64_t seed_base, uint8_t* packed) {
-  const float levels = QuantizeLevels(bits);
+  const float levels = QuantizeLevels(kBits);
   alignas(32) uint8_t q[kTile];
   alignas(32) float add[kTile];
   if (!kStochastic) std::fill(add, add + std::min(kTile, end - begin), 0.5f);
   for (int64_t lo = begin; lo < end; lo += kTile) {
     const int64_t len = std::min(kTile, end - lo);
-    bool coded = false;
+    const float* tile_x = x + (lo - begin);
+    float* tile_residual = residual + (lo - begin);
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
     if (kStochastic && kHasAvx512) {
-      CodeTileDrawnAvx512(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
-      coded = true;
-    } else if (kStochastic && kHasAvx2) {
-      CodeTileDrawnAvx2(x + (lo - begin), seed_base, lo, len, p, levels, q, residual + (lo - begin));
-      coded = true;
+      CodeTileDrawnAvx512<kBits>(tile_x, seed_base, lo, len, p, packed, tile_residual);
+      continue;
+    }
+    if (kStochastic && kHasAvx2) {
+      CodeTileDrawnAvx2<kBits>(tile_x, seed_base, lo, len, p, packed, tile_residual);
+      continue;
     }
 #endif
-    if (!coded) {
-      if (kStochastic) Uniforms(seed_base, lo, len, add);
-      CodeTile(x + (lo - begin), add, len, p, levels, q, residual + (lo - begin));
-    }
-    PackCodes(q, lo, len, bits, packed);
+    if (kStochastic) Uniforms(seed_base, lo, len, add);
+    CodeTile(tile_x, add, len, p, levels, q, tile_residual);
+    PackCodes(q, lo, len, kBits, packed);
   }
+}
+
+// CodePiece for the op's rounding and bits.
+using PieceCoder = void (*)(const float*, float*, int64_t, int64_t, const QuantizeParams&, uint64_t, uint8_t*);
+template <bool kStochastic>
+PieceCoder CoderFor(int bits) {
+  return bits == 2 ? CodePiece<kStochastic, 2> : bits == 4 ? CodePiece<kStochastic, 4> : CodePiece<kStochastic, 8>;
 }
 
 // ---------------------------------------------------------------------------
@@ -353,14 +419,15 @@ __attribute__((target("avx2"))) inline __m256 CodesOfEightAvx2(const uint8_t* p)
   return _mm256_cvtepi32_ps(codes);
 }
 
-// DecodeMeanPiece's vector loop over elements [i, end) (i a multiple of 8) with CodesOfEightAvx2, the same
-// float32 results in the same order, for up to kMostHoisted payloads (and their statistics into stats, where not
+// DecodeMeanPiece's vector loop over elements [i, end) (i a multiple of 8) with CodesOfEightAvx2 (4-bit codes 16 at
+// a time first, a byte to a lane), the same float32 results in the same order, for up to kMostHoisted payloads (and their statistics into stats, where not
 // null); returns where it stopped (the last whole 8, or i where m is larger).
 template <int kBits>
 __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* packed, int64_t num_bytes, int64_t m,
                                                               const float* offsets, const float* scales,
                                                               int64_t stride, int64_t i, int64_t end,
-                                                              const float* plus, float* out, StatsOfEights* stats) {
+                                                              const float* plus, float* out, StatsOfEights* stats,
+                                                              bool stream) {
   constexpr int64_t kMostHoisted = 16;  // payloads whose offset and scale stay in registers
   if (m > kMostHoisted) return i;
   __m256 offset[kMostHoisted], scale[kMostHoisted];
@@ -370,16 +437,44 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
   }
   const CountDivisor divide(static_cast<float>(m));
   StatsOfEights taken = stats ? *stats : StatsOfEights();  // in registers: out's stores could alias *stats
+  const bool streaming = stream && reinterpret_cast<uintptr_t>(out + i) % 32 == 0;  // every 8 aligned then
+  // The mean (+ plus) of 8 elements from their sums: written, and their statistics taken.
+  auto finish = [&](__m256 acc, int64_t at) {
+    acc = divide(acc);
+    if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + at));
+    if (streaming) {
+      _mm256_stream_ps(out + at, acc);
+    } else {
+      _mm256_storeu_ps(out + at, acc);
+    }
+    if (stats) taken.Add(acc);
+  };
+  if constexpr (kBits == 4) {
+    // 16 elements from 8 bytes a payload, widened to one per lane: the low nibbles are the even elements, the high
+    // ones the odd, each summed apart (the same operations per element) and interleaved once after the payloads.
+    const __m256i nibble = _mm256_set1_epi32(15);
+    for (; i + 16 <= end; i += 16) {
+      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      for (int64_t r = 0; r < m; ++r) {
+        const __m256i bytes =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + r * num_bytes + i / 2)));
+        const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble));
+        const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+        even = _mm256_add_ps(even, _mm256_add_ps(offset[r], _mm256_mul_ps(low, scale[r])));
+        odd = _mm256_add_ps(odd, _mm256_add_ps(offset[r], _mm256_mul_ps(high, scale[r])));
+      }
+      const __m256 first = _mm256_unpacklo_ps(even, odd), second = _mm256_unpackhi_ps(even, odd);  // 0-3 8-11, 4-7 12-15
+      finish(_mm256_permute2f128_ps(first, second, 0x20), i);
+      finish(_mm256_permute2f128_ps(first, second, 0x31), i + 8);
+    }
+  }
   for (; i + 8 <= end; i += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < m; ++r) {
       const __m256 codes = CodesOfEightAvx2<kBits>(packed + r * num_bytes + i / 8 * kBits);
       acc = _mm256_add_ps(acc, _mm256_add_ps(offset[r], _mm256_mul_ps(codes, scale[r])));
     }
-    acc = divide(acc);
-    if (plus) acc = _mm256_add_ps(acc, _mm256_loadu_ps(plus + i));
-    _mm256_storeu_ps(out + i, acc);
-    if (stats) taken.Add(acc);
+    finish(acc, i);
   }
   if (stats) *stats = taken;
   return i;
@@ -391,7 +486,7 @@ __attribute__((target("avx2"))) int64_t DecodeMeanEightsAvx2(const uint8_t* pack
 template <int kBits>
 void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets, const float* scales,
                      int64_t stride, int64_t begin, int64_t end, const float* plus, float* out,
-                     QuantizeStats* stats) {
+                     QuantizeStats* stats, bool stream) {
   const float count = static_cast<float>(m);
   QuantizeStats s = kNoStats;
   auto one = [&](int64_t i) {
@@ -412,7 +507,7 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
 #if defined(HVD_COMPRESS_QUANTIZE_AVX2)
   if (kHasAvx2) {
     i = DecodeMeanEightsAvx2<kBits>(packed, num_bytes, m, offsets, scales, stride, i, end, plus, out,
-                                    eights_or_none);
+                                    eights_or_none, stream);
   }
 #endif
 #if defined(__AVX__)
@@ -444,7 +539,7 @@ void DecodeMeanPiece(const uint8_t* packed, int64_t num_bytes, int64_t m, const 
 template <typename Source>
 void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t num_blocks, int bits, bool stochastic,
                 uint64_t seed_base, const Source& source, uint8_t* packed, float* scales, float* offsets) {
-  const auto code = stochastic ? CodePiece<true> : CodePiece<false>;
+  const PieceCoder code = stochastic ? CoderFor<true>(bits) : CoderFor<false>(bits);
   // The bits after the last element in its byte are 0.
   auto zero_padding = [&] {
     const int used = static_cast<int>((n * bits) & 7);
@@ -476,7 +571,7 @@ void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t 
         const QuantizeStats s = source.prepare(b, begin, end);
         if (local(b)) {
           finish(b, s);
-          code(source.values(begin), source.residual(begin), begin, end, params[b], bits, seed_base, packed);
+          code(source.values(begin), source.residual(begin), begin, end, params[b], seed_base, packed);
         } else {
           piece_stats[piece_offset[b] + c - bounds[b] / kChunk] = s;
         }
@@ -497,7 +592,7 @@ void CodeBlocks(OpKernelContext* ctx, int64_t n, const int64_t* bounds, int64_t 
       const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
       ForEachPieceInChunk(bounds, num_blocks, lo, hi, [&](int64_t b, int64_t begin, int64_t end) {
         if (!local(b)) {
-          code(source.values(begin), source.residual(begin), begin, end, params[b], bits, seed_base, packed);
+          code(source.values(begin), source.residual(begin), begin, end, params[b], seed_base, packed);
         }
       });
     }
@@ -527,9 +622,9 @@ absl::Status AllocatePayload(OpKernelContext* ctx, int64_t n, int64_t num_blocks
 // statistics of what it wrote into *stats, where not null.
 void DecodeMeanOfPiece(int bits, const uint8_t* packed, int64_t num_bytes, int64_t m, const float* offsets,
                        const float* scales, int64_t num_blocks, int64_t b, int64_t begin, int64_t end,
-                       const float* plus, float* out, QuantizeStats* stats = nullptr) {
+                       const float* plus, float* out, QuantizeStats* stats, bool stream) {
   const auto decode = bits == 2 ? DecodeMeanPiece<2> : bits == 4 ? DecodeMeanPiece<4> : DecodeMeanPiece<8>;
-  decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, out, stats);
+  decode(packed, num_bytes, m, offsets + b, scales + b, num_blocks, begin, end, plus, out, stats, stream);
 }
 
 }  // namespace
@@ -658,7 +753,8 @@ class BlockQuantizeRecodeMeanOp : public OpKernel {
       float* mean;
       QuantizeStats prepare(int64_t b, int64_t begin, int64_t end) const {
         QuantizeStats stats = kNoStats;
-        DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean, &stats);
+        DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean, &stats,
+                          false);  // the mean is coded next, from the cache
         return stats;
       }
       const float* values(int64_t begin) const { return mean + begin; }
@@ -707,13 +803,16 @@ class BlockQuantizeDecodeMeanOp : public OpKernel {
     const float* offsets = offsets_tensor.flat<float>().data();
     float* y = y_tensor->flat<float>().data();
 
+    const bool stream = n * static_cast<int64_t>(sizeof(float)) >= kStreamingBytes;
     ParallelFor(ctx, NumChunks(n), kChunk * (2 + 2 * m), [&](int64_t first, int64_t last) {
       for (int64_t c = first; c < last; ++c) {
         const int64_t chunk_lo = c * kChunk, chunk_hi = std::min(n, chunk_lo + kChunk);
         ForEachPieceInChunk(bounds, num_blocks, chunk_lo, chunk_hi, [&](int64_t b, int64_t begin, int64_t end) {
-          DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, y);
+          DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, y, nullptr,
+                            stream);
         });
       }
+      if (stream) StreamsDone();
     });
   }
 
