@@ -165,9 +165,11 @@ def seconds(fn, *args):
 
 
 def interleaved(cases):
-    """--repeats rounds, each calling every case once in turn, each right after a copy: per case, the median time and
-    the median over rounds of the copy's time over the op's (the two a few milliseconds apart, so a neighbour's load
-    that comes and goes on a shared machine weighs on both)."""
+    """--repeats rounds, each timing every case once in turn, right after a copy: per case, the median time and the
+    median over rounds of the copy's time over the op's (the two a few milliseconds apart, so a neighbour's load that
+    comes and goes on a shared machine weighs on both). Each timed call follows an untimed one of its own, so that
+    it starts from the caches and buffers its kind leaves, not the other's (a copy timed right after another op
+    read 1.2x a copy's speed at 1M floats)."""
     copy = cases[COPY]
     for fn, *args in cases.values():
         fn(*args)  # trace and warm up
@@ -175,7 +177,9 @@ def interleaved(cases):
     copy_over = {name: [] for name in cases}
     for _ in range(FLAGS.repeats):
         for name, (fn, *args) in cases.items():
+            seconds(*copy)
             before = seconds(*copy)
+            seconds(fn, *args)
             times[name].append(seconds(fn, *args))
             copy_over[name].append(before / times[name][-1])
     return ({name: statistics.median(t) for name, t in times.items()},
@@ -328,15 +332,18 @@ def render(figures):
     names = list(figures["gb_per_s"][sizes[0]])
     allocator = ("TensorFlow's BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=1)" if figures.get("bfc")
                  else "TensorFlow's default CPU allocator")
-    note = (f"GB/s of float32 input (n x 4 bytes / median time over {figures.get('repeats', 'the')} rounds, each "
-            f"calling every op once in turn, right after a copy), {figures['threads']} CPU threads, {allocator}.")
+    paired = "copy_over_op" in figures
+    timing = (f"median time over {figures['repeats']} rounds, each timing every op once in turn, right after a copy"
+              if paired else "median time")
+    note = f"GB/s of float32 input (n x 4 bytes / {timing}), {figures['threads']} CPU threads, {allocator}."
     table = results.markdown_table(["op", *sizes],
                                    [[name, *(f"{figures['gb_per_s'][s][name]:.2f}" for s in sizes)] for name in names])
     streams = traffic(figures.get("ranks", 4))
     fused = [name for name in streams if name in names]
     traffic_note = ("The fused kernels' memory traffic: the streams of n floats each must read and write at least "
-                    "(a copy: 2), and its traffic per second as a fraction of a copy's at the same size: streams / 2 "
-                    "x the copy's time over the op's, the copy timed just before the op, the median over the rounds.")
+                    "(a copy: 2), and its traffic per second as a fraction of a copy's at the same size: " +
+                    ("streams / 2 x the copy's time over the op's, the copy timed just before the op, the median "
+                     "over the rounds." if paired else "GB/s of input x streams / the copy's x 2."))
     traffic_table = results.markdown_table(
         ["op", "streams", *(f"{s}: of a copy's traffic" for s in sizes)],
         [[name, f"{streams[name]:.3g}", *(f"{of_copy(figures, s, name, streams):.2f}x" for s in sizes)]
