@@ -10,7 +10,10 @@ and, for each row, predicts the step from
 - own: the published one-rank costs under the table's optimizer (cost.published_cpu; `--optimizer` of the command
   that made the table, SGD where it names none), per element, times the table's model's elements;
 - bytes and collectives: planned for the table's model by the optimizer's own planning (cost.planned_bytes), on its
-  layout (`hosts` column: H hosts of L ranks) at its link rate with the link's `--latency_us`.
+  layout (`hosts` column: H hosts of L ranks) at its link rate with the link's `--latency_us`;
+- the link's fit, where a table has both a floor and Horovod fp32's row (--fit_link): the shaped rate's TCP payload
+  and, for what Horovod fp32's step takes beyond that, the ranks' meeting once a step (cost.Cluster.sync_s), which
+  every exchanging row then pays; Horovod fp32's row is then the calibration.
 A row is within the bar where |predicted / measured - 1| <= --tolerance. Methods the model does not cover
 (Accordion's switching) are listed as such. The table names each source table's machine: the one-rank costs came
 from a 2-core AMD EPYC, and the tables from several machines, so a row's error holds the machines' difference too.
@@ -27,6 +30,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 from absl import app, flags  # noqa: E402
 
+import netns  # noqa: E402
 import results  # noqa: E402
 import wire  # noqa: E402
 from hvd_compress import cost  # noqa: E402
@@ -36,9 +40,9 @@ flags.DEFINE_string("doc", str(results.DOC), "The page whose wire tables are che
 flags.DEFINE_list("same_run", [], "WIRE_JSON:OVERHEAD_JSON pairs from one session on one machine (wire.py's and "
                   "overhead.py's --out, same model and optimizer): their rows checked against those one-rank costs, "
                   "in place of the published tables.")
-flags.DEFINE_bool("fit_link", True, "Where a table has both no_exchange and Horovod fp32, take the link's rate from "
-                  "Horovod fp32's step (at most the shaped rate; that row is then calibration): what one timed "
-                  "allreduce tells a user of the link.")
+flags.DEFINE_bool("fit_link", True, "Where a table has both no_exchange and Horovod fp32, fit the link to "
+                  "Horovod fp32's step (the shaped rate's TCP payload and the ranks' meeting once a step, or a lower "
+                  "rate; that row is then calibration): what one timed allreduce tells a user of the link.")
 flags.DEFINE_float("tolerance", 0.15, "A prediction within this fraction of the measured step meets the bar.")
 flags.DEFINE_float("latency_us", 50.0, "The shaped links' latency per message round, microseconds (veth and a bridge).")
 FLAGS = flags.FLAGS
@@ -114,50 +118,67 @@ def layout(cell):
 def check_table(name, optimizer, machine_name, rows, published, transport="gloo"):
     """Every row's prediction: rows as dicts with link, hosts, model, method, step ms and accounted bytes (a published
     table's cells, or a wire.py JSON's made into them); published, the cost.Machine of the one-rank costs."""
+    groups = {}  # (link, hosts) -> rows, in the table's order
+    for r in rows:
+        groups.setdefault((r["link"], r["hosts"]), []).append(r)
+    checked, meetings = {}, {}  # meetings: hosts -> the ranks' meeting fitted on its slowest link
+    for key in sorted(groups, key=lambda key: cost.Link.parse(key[0]).rate_bps):  # the slowest link first
+        checked[key] = check_group(name, optimizer, machine_name, groups[key], published, transport, meetings)
+    return [row for key in groups for row in checked[key]]
+
+
+def check_group(name, optimizer, machine_name, group, published, transport, meetings):
+    """check_table's rows of one link and layout."""
+    link_name, hosts_cell = group[0]["link"], group[0]["hosts"]
+    ranks, hosts = layout(hosts_cell)
+    cluster = cost.Cluster(ranks, cost.Link.parse(link_name, FLAGS.latency_us * 1e-6), hosts, transport=transport)
+    shapes = model_shapes(group[0]["model"])
+    elements = sum(math.prod(s) for s in shapes)
+    floor = next((r for r in group if r["method"] == "no_exchange"), None)
+    fp32 = next((r for r in group if r["method"] == "horovod_fp32"), None)
+    calibration = None
+    if floor is not None:
+        compute_s = number(floor["step ms"]) / 1e3
+        if fp32 is not None and FLAGS.fit_link:  # the link as Horovod fp32's allreduce found it
+            calibration = fp32
+            # (ranks that outnumber the cores share them with the kernel's TCP: their link is slower, not their
+            # meeting longer)
+            most_sync_s = 0.0 if ranks > cores_of(machine_name) else meetings.get(hosts_cell, math.inf)
+            cluster = fitted_link(cluster, shapes, compute_s, number(fp32["step ms"]) / 1e3, published, optimizer,
+                                  most_sync_s)
+            meetings.setdefault(hosts_cell, cluster.sync_s)
+    else:  # Horovod fp32's row less its link time: the job as it runs today
+        calibration = next(r for r in group if r["method"] == "horovod_fp32")
+        compute_s = number(calibration["step ms"]) / 1e3 - cost.predict(
+            "horovod_fp32", shapes, 0.0, cluster, published, optimizer).total_s
+    machine = sharing_cores(published.scaled_to(compute_s, elements), ranks, machine_name)
     checked = []
-    for link_name in dict.fromkeys(r["link"] for r in rows):
-        for hosts_cell in dict.fromkeys(r["hosts"] for r in rows if r["link"] == link_name):
-            group = [r for r in rows if r["link"] == link_name and r["hosts"] == hosts_cell]
-            ranks, hosts = layout(hosts_cell)
-            cluster = cost.Cluster(ranks, cost.Link.parse(link_name, FLAGS.latency_us * 1e-6), hosts,
-                                   transport=transport)
-            shapes = model_shapes(group[0]["model"])
-            elements = sum(math.prod(s) for s in shapes)
-            floor = next((r for r in group if r["method"] == "no_exchange"), None)
-            fp32 = next((r for r in group if r["method"] == "horovod_fp32"), None)
-            calibration = None
-            if floor is not None:
-                compute_s = number(floor["step ms"]) / 1e3
-                if fp32 is not None and FLAGS.fit_link:  # the link as Horovod fp32's allreduce found it
-                    calibration = fp32
-                    cluster = fitted_link(cluster, shapes, compute_s, number(fp32["step ms"]) / 1e3, published,
-                                          optimizer)
-            else:  # Horovod fp32's row less its link time: the job as it runs today
-                calibration = next(r for r in group if r["method"] == "horovod_fp32")
-                compute_s = number(calibration["step ms"]) / 1e3 - cost.predict(
-                    "horovod_fp32", shapes, 0.0, cluster, published, optimizer).total_s
-            machine = sharing_cores(published.scaled_to(compute_s, elements), ranks, machine_name)
-            for row in group:
-                if row["method"] == "no_exchange":
-                    continue
-                measured = number(row["step ms"])
-                entry = dict(table=name, machine=machine_name, optimizer=optimizer, link=link_name, hosts=hosts_cell,
-                             model=row["model"], method=row["method"], measured_ms=measured,
-                             accounted_bytes=number(row["accounted bytes/step/worker"]))
-                resolved = resolve(row["method"])
-                if resolved is None:
-                    checked.append({**entry, "status": "not modelled"})
-                    continue
-                method, overrides, hierarchical, overlap = resolved
-                step = cost.predict(method, shapes, compute_s, cluster, machine, optimizer, overrides, hierarchical,
-                                    overlap)
-                predicted = step.total_s * 1e3
-                status = "calibration" if row is calibration else (
-                    "within" if abs(predicted / measured - 1) <= FLAGS.tolerance else "outside")
-                checked.append({**entry, "status": status, "predicted_ms": predicted, "compute_ms": compute_s * 1e3,
-                                "own_ms": step.own_s * 1e3, "link_ms": step.link_s * 1e3,
-                                "planned_bytes": step.bytes_per_rank, "error": predicted / measured - 1})
+    for row in group:
+        if row["method"] == "no_exchange":
+            continue
+        measured = number(row["step ms"])
+        entry = dict(table=name, machine=machine_name, optimizer=optimizer, link=link_name, hosts=hosts_cell,
+                     model=row["model"], method=row["method"], measured_ms=measured,
+                     accounted_bytes=number(row["accounted bytes/step/worker"]))
+        resolved = resolve(row["method"])
+        if resolved is None:
+            checked.append({**entry, "status": "not modelled"})
+            continue
+        method, overrides, hierarchical, overlap = resolved
+        step = cost.predict(method, shapes, compute_s, cluster, machine, optimizer, overrides, hierarchical, overlap)
+        predicted = step.total_s * 1e3
+        status = "calibration" if row is calibration else (
+            "within" if abs(predicted / measured - 1) <= FLAGS.tolerance else "outside")
+        checked.append({**entry, "status": status, "predicted_ms": predicted, "compute_ms": compute_s * 1e3,
+                        "own_ms": step.own_s * 1e3, "link_ms": step.link_s * 1e3, "sync_ms": cluster.sync_s * 1e3,
+                        "planned_bytes": step.bytes_per_rank, "error": predicted / measured - 1})
     return checked
+
+
+def cores_of(machine_name):
+    """The cores of a table's machine line ("2 CPUs (...)"); as many as any ranks where it names none."""
+    found = re.match(r"(\d+) CPUs", machine_name)
+    return int(found.group(1)) if found else math.inf
 
 
 def sharing_cores(machine, ranks, machine_name):
@@ -166,8 +187,7 @@ def sharing_cores(machine, ranks, machine_name):
     rank a core, so where more ranks than cores share them each rank's sums take ranks / cores as long. The
     loopback's rate stays: it was measured with every core busy moving the bytes (a transfer's copies are both
     ends'), and Horovod fp32's ring on 4 ranks of 2 cores ran at 4.8-6.7 Gbit/s, not half of it."""
-    found = re.match(r"(\d+) CPUs", machine_name)
-    share = ranks / int(found.group(1)) if found else 1.0
+    share = ranks / cores_of(machine_name)
     if share <= 1:
         return machine
     return dataclasses.replace(machine, host_collectives={
@@ -175,14 +195,28 @@ def sharing_cores(machine, ranks, machine_name):
         for t, c in machine.host_collectives.items()})
 
 
-def fitted_link(cluster, shapes, compute_s, fp32_step_s, machine, optimizer):
-    """The cluster with its link's rate as Horovod fp32's step shows it (its bytes over the step less compute and own
-    costs; at most the shaped rate): on these 2-core machines the kernel's TCP through the veths and the shaping costs
-    the same cores the ranks compute on, so a fast shaped link carries less than its rate."""
-    step = cost.predict("horovod_fp32", shapes, compute_s, cluster, machine, optimizer)
-    seconds = fp32_step_s - compute_s - step.own_s
-    rate = min(cluster.link.rate_bps, step.host_link_bytes * 8 / seconds) if seconds > 0 else cluster.link.rate_bps
-    return dataclasses.replace(cluster, link=dataclasses.replace(cluster.link, rate_bps=rate))
+def fitted_link(cluster, shapes, compute_s, fp32_step_s, machine, optimizer, most_sync_s=math.inf):
+    """The cluster as Horovod fp32's step shows it: its link at the shaped rate's TCP payload
+    (netns.TCP_PAYLOAD_FRACTION), and what the step takes beyond its compute, its own costs and its bytes at that
+    rate first the ranks' meeting once a step (`Cluster.sync_s`: on these 2-core machines the ranks' waiting for the
+    slowest and Horovod's negotiation, a few milliseconds, most of a small model's exchanging step), up to
+    `most_sync_s`, then a lower rate. check_table fits a layout's meeting on its slowest link, whose rate the kernel's
+    TCP keeps (one stream: 956 Mbit/s of payload at 1gbit), and caps the faster links' by it: there the kernel's
+    TCP through the veths costs the cores the ranks compute on, and carries less than the shaped rate. A step
+    shorter than the payload rate allows gives the rate it shows (at most the shaped one) and no meeting."""
+    payload = dataclasses.replace(cluster, link=dataclasses.replace(
+        cluster.link, rate_bps=cluster.link.rate_bps * netns.TCP_PAYLOAD_FRACTION))
+    step = cost.predict("horovod_fp32", shapes, compute_s, payload, machine, optimizer)
+    rest = fp32_step_s - step.total_s
+    if rest < 0:
+        payload, sync = cluster, 0.0
+    else:
+        sync = min(rest, most_sync_s)
+        if sync == rest:
+            return dataclasses.replace(payload, sync_s=sync)
+    seconds = fp32_step_s - compute_s - step.own_s - sync
+    rate = min(payload.link.rate_bps, step.host_link_bytes * 8 / seconds) if seconds > 0 else payload.link.rate_bps
+    return dataclasses.replace(payload, link=dataclasses.replace(payload.link, rate_bps=rate), sync_s=sync)
 
 
 def published_rows(text):
@@ -216,15 +250,15 @@ def render(rows):
     within = sum(r["status"] == "within" for r in predicted)
     summary = (f"{within} of {len(predicted)} predicted rows within {FLAGS.tolerance:.0%} of the measured step "
                f"({within / max(len(predicted), 1):.0%}); {sum(r['status'] == 'calibration' for r in rows)} "
-               f"calibration rows (Horovod fp32's: the compute where a table has no floor, else the link's rate), "
+               f"calibration rows (Horovod fp32's: the compute where a table has no floor, else the link's fit), "
                f"{sum(r['status'] == 'not modelled' for r in rows)} not modelled.")
     table = results.markdown_table(
         ["table", "link", "hosts", "method", "measured ms", "predicted ms", "error", "compute", "own", "link ms",
-         "planned bytes / accounted"],
+         "of which sync", "planned bytes / accounted"],
         [[r["table"], r["link"], r["hosts"], r["method"], f"{r['measured_ms']:,.1f}",
           f"{r['predicted_ms']:,.1f}" if "predicted_ms" in r else "-",
           f"{r['error']:+.0%}" if r["status"] in ("within", "outside") else r["status"],
-          *(f"{r[k]:,.1f}" if k in r else "-" for k in ("compute_ms", "own_ms", "link_ms")),
+          *(f"{r[k]:,.1f}" if k in r else "-" for k in ("compute_ms", "own_ms", "link_ms", "sync_ms")),
           f"{r['planned_bytes'] / r['accounted_bytes']:.3f}" if r.get("accounted_bytes") and "planned_bytes" in r
           else "-"] for r in rows])
     machines = sorted({f"`{r['table']}`: {r['machine']}" for r in rows})

@@ -69,6 +69,8 @@ BRIDGE_ADDRESS = "10.77.0.1"
 LOCK = pathlib.Path("/run/hc-wire.lock")
 ETC_NETNS = pathlib.Path("/etc/netns")
 LATENCY = "50ms"  # tbf queue: at most this much traffic waits, the rest is dropped
+#: the TCP payload of a shaped link's rate: tbf charges every 1448-byte segment 66 B of headers (measured above)
+TCP_PAYLOAD_FRACTION = 1448 / 1514
 
 
 def parse_layout(text):

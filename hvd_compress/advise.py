@@ -148,7 +148,8 @@ def main(argv):
         model = parse_count(FLAGS.parameters)
     cluster = cost.Cluster(FLAGS.ranks, cost.Link.parse(FLAGS.link, FLAGS.latency_us * 1e-6), FLAGS.hosts or None,
                            intra_host_rate=cost.Link.parse(FLAGS.intra_host_link).rate_bps,
-                           transport=FLAGS.transport or ("nccl" if FLAGS.machine == "h100" else "gloo"))
+                           transport=FLAGS.transport or ("nccl" if FLAGS.machine == "h100" else "gloo"),
+                           sync_s=FLAGS.sync_ms / 1e3)
     machine = (cost.H100 if FLAGS.machine == "h100" else cost.published_cpu(FLAGS.optimizer) if FLAGS.machine == "cpu"
                else cost.published_cpu(FLAGS.optimizer).scaled_by_probe(cost.probe_s()))
     advice = advise(model, FLAGS.compute_ms / 1e3, cluster, FLAGS.optimizer, machine, FLAGS.methods)
@@ -171,6 +172,9 @@ def define_flags():
     flags.DEFINE_integer("hosts", 0, "Hosts (0: one rank per host).", lower_bound=0)
     flags.DEFINE_string("link", "1gbit", "Each host's link rate: 100mbit, 1gbit, 10gbit, 400gbit...")
     flags.DEFINE_float("latency_us", 50.0, "The link's latency per message round, microseconds.")
+    flags.DEFINE_float("sync_ms", 0.0, "What a step that exchanges pays once, whatever it sends: its ranks' meeting "
+                       "(a step at full precision less its compute and its bytes' time on the link), ms.",
+                       lower_bound=0.0)
     flags.DEFINE_string("intra_host_link", "100gbit", "The rate between the ranks of one host (NVLink: 3600gbit).")
     flags.DEFINE_enum("transport", None, list(cost.TRANSPORTS), "Whose collectives Horovod runs (default: gloo on "
                       "CPUs, nccl with --machine=h100); on CPUs Gloo adds float16 in software, which Horovod fp16 pays.")

@@ -3,6 +3,7 @@
     step = compute + own + link
     own  = per_element[method] * d + per_collective * collectives          (the method's own work on one rank)
     link = host_link_bytes * 8 / rate + collectives * rounds * latency     (an alpha-beta model of the collectives)
+           + syncs * sync                                                  (the ranks meeting once a step)
 
 - compute: the step with nothing sent (`no_exchange`: forward, backward and the wrapped optimizer's own apply),
   measured by the user (`benchmarks/overhead.py`'s floor, or a step timed on one rank) or, for the GPU tables,
@@ -24,9 +25,15 @@
   several ranks runs at its slowest hop, the host's link or the ranks' loopback; Horovod fp16 over Gloo takes the
   longer of its link's time and its float16 sums, which Gloo does in software.
 - latency: each collective of a ring takes 2 (n-1) message rounds (allreduce) at `Link.latency_s` each.
+- sync: what a step that exchanges pays once, whatever it sends and in how many collectives (`Cluster.sync_s`):
+  its ranks wait for the slowest of them and Horovod negotiates the step's collectives in one cycle. A step of
+  local-step methods (DiLoCo) pays it at its syncs only, once in H steps. It is a property of the job on its
+  machines, 0 unless measured: on the shared 2-core machines of this project a few milliseconds (Horovod fp32's
+  step on the 21.5k-parameter CNN took its floor plus 5-7 ms on a 1 or 10 Gbit/s link, the bytes 0.7 ms of it).
 
-Nothing else overlaps in this model: on the measured machines Horovod's fp32 step is its floor plus its link time
-(wire.py's tables, 0.96-1.05x), because the CPU that backprops is also the one that moves the bytes. Where the
+Nothing else overlaps in this model: on the measured machines Horovod's fp32 step is about its floor plus its link
+time, because the CPU that backprops is also the one that moves the bytes (wire.py's tables, 0.79-1.05x: below 1
+where, on 2 cores, one rank's wait on the link leaves the other both cores). Where the
 model is wrong it is wrong in one place, a measured term: `benchmarks/cost_check.py` puts its predictions beside
 every published shaped-link row.
 """
@@ -73,6 +80,8 @@ class Cluster:
     #: whose collectives Horovod runs: "gloo" or "mpi" (on the CPU, where Machine.host_collectives costs the CPU
     #: its share), "nccl" (on the GPU)
     transport: str = "gloo"
+    #: seconds a step that exchanges pays once, whatever it sends: the ranks' meeting (see the module's docstring)
+    sync_s: float = 0.0
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -82,6 +91,8 @@ class Cluster:
         if self.ranks < 1 or hosts < 1 or self.ranks % hosts:
             raise ValueError(f"ranks={self.ranks}, hosts={self.hosts}: hosts must divide ranks (each host the same "
                              "number of ranks).")
+        if not self.sync_s >= 0:
+            raise ValueError(f"sync_s={self.sync_s}: the seconds a step's ranks take to meet are 0 or more.")
         object.__setattr__(self, "hosts", hosts)
 
     @property
@@ -318,6 +329,12 @@ def planned_collectives(method, shapes, size=2, optimizer="sgd", overrides=None)
     return sum(ex.collectives for ex in exchanges) + dense.collectives
 
 
+def planned_syncs(method, overrides=None):
+    """Times a step under `method` makes its ranks meet: once, or a local-step method's once in H steps."""
+    from hvd_compress import methods
+    return 1.0 / _local_steps(method, overrides)[0] if method in methods.LOCAL_STEP_METHODS else 1.0
+
+
 def keras_optimizer(name):
     """A Keras optimizer of the kind `name` says ("sgd" or "adamw"): what the update rules are chosen by."""
     import tensorflow as tf
@@ -383,6 +400,7 @@ def predict(method, shapes, compute_s, cluster, machine, optimizer="sgd", overri
     link = host_link * 8 / rate + inside + collectives * rounds * cluster.link.latency_s
     if method == "horovod_fp16" and on_cpu:  # the ring's sums, beside the link's time
         link = max(link, (n - 1) / n * elements * on_cpu.half_sum_per_element_s)
+    link += planned_syncs(method, overrides) * cluster.sync_s
     own = machine.own_s(method, elements, collectives)
     if overlap:
         link = max(0.0, link - (compute_s + own))

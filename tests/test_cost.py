@@ -51,6 +51,41 @@ def test_a_step_is_compute_plus_own_plus_link():
     assert cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, host, cost.H100, hierarchical=True).host_link_bytes == 0
 
 
+def test_the_ranks_meet_once_a_step_whatever_they_send():
+    """Cluster.sync_s: one meeting a step for every exchanging method, however many collectives it runs; a local-step
+    method's once in H steps; nothing for a step that sends nothing."""
+    shapes, machine = cost.MLP25M_SHAPES, cost.published_cpu("sgd")
+    apart = cost.Cluster(2, cost.Link.parse("1gbit"))
+    meeting = cost.Cluster(2, cost.Link.parse("1gbit"), sync_s=0.006)
+    for method, syncs in [("horovod_fp32", 1), ("fp16", 1), ("powersgd", 1), ("diloco_q4", 1 / 20)]:
+        added = (cost.predict(method, shapes, 0.1, meeting, machine).link_s
+                 - cost.predict(method, shapes, 0.1, apart, machine).link_s)
+        assert added == pytest.approx(0.006 * syncs), method
+    assert cost.planned_collectives("fp16", shapes) > 1  # (the meeting is not per collective)
+    assert cost.predict("no_exchange", shapes, 0.1, meeting, machine).total_s == 0.1
+
+
+def test_the_checker_fits_the_meeting_from_horovod_fp32s_step():
+    """Horovod fp32's step beyond its floor, its own cost and its bytes at the shaped rate's TCP payload is the
+    meeting every other row then pays, up to what the layout's slower link showed; the rest, a lower rate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cost_check
+    import netns
+    shapes, machine = cost.MLP25M_SHAPES, cost.published_cpu("sgd")
+    cluster = cost.Cluster(2, cost.Link.parse("1gbit", latency_s=0.0))
+    bytes_s = MEASURED_2_RANKS["horovod_fp32"] * 8 / (1e9 * netns.TCP_PAYLOAD_FRACTION)
+    own_s = cost.predict("horovod_fp32", shapes, 0.2, cluster, machine).own_s
+    fitted = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + bytes_s + 0.007, machine, "sgd")
+    assert fitted.sync_s == pytest.approx(0.007) and fitted.link.rate_bps == pytest.approx(0.9564 * 1e9, rel=1e-4)
+    # a faster link of the same layout: the meeting at most the slower link's, the rest a lower rate
+    capped = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + 2 * bytes_s, machine, "sgd", 0.003)
+    assert capped.sync_s == 0.003 and capped.link.rate_bps == pytest.approx(
+        MEASURED_2_RANKS["horovod_fp32"] * 8 / (2 * bytes_s - 0.003))
+    # a step shorter than the payload rate allows: the rate it shows, no meeting
+    fast = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + 0.98 * bytes_s, machine, "sgd")
+    assert fast.sync_s == 0 and 0.9564e9 < fast.link.rate_bps < 1e9
+
+
 def test_gloo_adds_float16_on_the_cpu_beside_the_link():
     """Horovod fp16's allreduce over Gloo takes the longer of its link's time and its software sums ((n - 1) / n of
     the vector a rank, at HOST_COLLECTIVES' cost an element): slower than fp32's on a fast link, half of it on a slow
@@ -129,6 +164,8 @@ def test_bad_input_names_the_argument():
         cost.Cluster(2, cost.Link.parse("1gbit"), transport="ucx")
     with pytest.raises(ValueError, match="hosts must divide ranks"):
         cost.Cluster(6, cost.Link.parse("1gbit"), hosts=4)
+    with pytest.raises(ValueError, match="sync_s=-0.001"):
+        cost.Cluster(2, cost.Link.parse("1gbit"), sync_s=-0.001)
     with pytest.raises(ValueError, match="optimizer='lion'"):
         cost.published_cpu("lion")
     with pytest.raises(ValueError, match="compute_s"):
@@ -169,6 +206,16 @@ def test_the_advisor_command():
         assert proc.returncode == 0, proc.stderr[-3000:]
         fp16[transport] = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| h")]
     assert fp16 == dict(gloo=["horovod_fp32", "horovod_fp16"], mpi=["horovod_fp16", "horovod_fp32"])
+    link_ms = {}
+    for sync_ms in (0, 6):  # the ranks' meeting: once a step on Horovod's link, once in 20 steps on DiLoCo's
+        proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--parameters=25m", "--compute_ms=150",
+                               "--methods=horovod_fp32,diloco_q4", f"--sync_ms={sync_ms}"],
+                              capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        link_ms[sync_ms] = {cells[1].strip(): float(cells[5]) for cells in
+                            (line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| h", "| d")))}
+    assert link_ms[6]["horovod_fp32"] - link_ms[0]["horovod_fp32"] == pytest.approx(6.0, abs=0.11)
+    assert link_ms[6]["diloco_q4"] - link_ms[0]["diloco_q4"] == pytest.approx(0.3, abs=0.11)
     proc = subprocess.run([sys.executable, "-m", "hvd_compress.advise", "--compute_ms=150"],
                           capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert proc.returncode != 0 and "--parameters" in proc.stderr
