@@ -144,8 +144,8 @@ def check_group(name, optimizer, machine_name, group, published, transport, meet
             # (ranks that outnumber the cores share them with the kernel's TCP: their link is slower, not their
             # meeting longer)
             most_sync_s = 0.0 if ranks > cores_of(machine_name) else meetings.get(hosts_cell, math.inf)
-            cluster = fitted_link(cluster, shapes, compute_s, number(fp32["step ms"]) / 1e3, published, optimizer,
-                                  most_sync_s)
+            cluster = fitted_cluster(cluster, shapes, compute_s, number(fp32["step ms"]) / 1e3, published,
+                                     optimizer, most_sync_s)
             meetings.setdefault(hosts_cell, cluster.sync_s)
     else:  # Horovod fp32's row less its link time: the job as it runs today
         calibration = next(r for r in group if r["method"] == "horovod_fp32")
@@ -195,27 +195,26 @@ def sharing_cores(machine, ranks, machine_name):
         for t, c in machine.host_collectives.items()})
 
 
-def fitted_link(cluster, shapes, compute_s, fp32_step_s, machine, optimizer, most_sync_s=math.inf):
+def fitted_cluster(cluster, shapes, compute_s, fp32_step_s, machine, optimizer, most_sync_s=math.inf):
     """The cluster as Horovod fp32's step shows it: its link at the shaped rate's TCP payload
-    (netns.TCP_PAYLOAD_FRACTION), and what the step takes beyond its compute, its own costs and its bytes at that
-    rate first the ranks' meeting once a step (`Cluster.sync_s`: on these 2-core machines the ranks' waiting for the
-    slowest and Horovod's negotiation, a few milliseconds, most of a small model's exchanging step), up to
-    `most_sync_s`, then a lower rate. check_table fits a layout's meeting on its slowest link, whose rate the kernel's
-    TCP keeps (one stream: 956 Mbit/s of payload at 1gbit), and caps the faster links' by it: there the kernel's
-    TCP through the veths costs the cores the ranks compute on, and carries less than the shaped rate. A step
-    shorter than the payload rate allows gives the rate it shows (at most the shaped one) and no meeting."""
+    (netns.TCP_PAYLOAD_FRACTION), and what the step takes beyond its compute, its own costs and its link's time at
+    that rate first the ranks' meeting once a step (`Cluster.sync_s`: on these 2-core machines the ranks' waiting
+    for the slowest and Horovod's negotiation, most of a small model's exchanging step), up to `most_sync_s`, then
+    a lower rate. check_table fits a layout's meeting on its slowest link, whose rate the kernel's TCP keeps (one
+    stream: 956 Mbit/s of payload at 1gbit), and caps the faster links' by it: there the kernel's TCP through the
+    veths costs the cores the ranks compute on, and carries less than the shaped rate. A step shorter than the
+    payload rate allows gives the rate it shows (at most the shaped one) and no meeting."""
     payload = dataclasses.replace(cluster, link=dataclasses.replace(
         cluster.link, rate_bps=cluster.link.rate_bps * netns.TCP_PAYLOAD_FRACTION))
     step = cost.predict("horovod_fp32", shapes, compute_s, payload, machine, optimizer)
     rest = fp32_step_s - step.total_s
-    if rest < 0:
-        payload, sync = cluster, 0.0
-    else:
-        sync = min(rest, most_sync_s)
-        if sync == rest:
-            return dataclasses.replace(payload, sync_s=sync)
-    seconds = fp32_step_s - compute_s - step.own_s - sync
-    rate = min(payload.link.rate_bps, step.host_link_bytes * 8 / seconds) if seconds > 0 else payload.link.rate_bps
+    sync = min(max(rest, 0.0), most_sync_s)
+    bits = step.host_link_bytes * 8
+    if sync == rest or bits == 0:
+        return dataclasses.replace(payload, sync_s=max(sync, 0.0))
+    # the rest of it the bytes' time at a rate of its own (the latency's and the stages' inside a host kept)
+    bytes_s = bits / payload.link.rate_bps + rest - sync
+    rate = min(cluster.link.rate_bps, bits / bytes_s) if bytes_s > 0 else cluster.link.rate_bps
     return dataclasses.replace(payload, link=dataclasses.replace(payload.link, rate_bps=rate), sync_s=sync)
 
 

@@ -173,8 +173,8 @@ def define_flags():
     flags.DEFINE_string("link", "1gbit", "Each host's link rate: 100mbit, 1gbit, 10gbit, 400gbit...")
     flags.DEFINE_float("latency_us", 50.0, "The link's latency per message round, microseconds.")
     flags.DEFINE_float("sync_ms", 0.0, "What a step that exchanges pays once, whatever it sends: its ranks' meeting "
-                       "(a step at full precision less its compute and its bytes' time on the link), ms.",
-                       lower_bound=0.0)
+                       "(a step at full precision less its compute, its bytes' time on the link and Horovod's "
+                       "hand-over), ms.", lower_bound=0.0)
     flags.DEFINE_string("intra_host_link", "100gbit", "The rate between the ranks of one host (NVLink: 3600gbit).")
     flags.DEFINE_enum("transport", None, list(cost.TRANSPORTS), "Whose collectives Horovod runs (default: gloo on "
                       "CPUs, nccl with --machine=h100); on CPUs Gloo adds float16 in software, which Horovod fp16 pays.")

@@ -27,13 +27,14 @@
 - latency: each collective of a ring takes 2 (n-1) message rounds (allreduce) at `Link.latency_s` each.
 - sync: what a step that exchanges pays once, whatever it sends and in how many collectives (`Cluster.sync_s`):
   its ranks wait for the slowest of them and Horovod negotiates the step's collectives in one cycle. A step of
-  local-step methods (DiLoCo) pays it at its syncs only, once in H steps. It is a property of the job on its
-  machines, 0 unless measured: on the shared 2-core machines of this project a few milliseconds (Horovod fp32's
-  step on the 21.5k-parameter CNN took its floor plus 5-7 ms on a 1 or 10 Gbit/s link, the bytes 0.7 ms of it).
+  local-step methods (DiLoCo) pays it at its syncs only, once in H steps (Streaming DiLoCo once a fragment). It
+  is a property of the job on its machines, 0 unless measured: on the shared 2-core machines of this project,
+  Horovod fp32's step on the 21.5k-parameter CNN took its floor plus 5-7 ms on a 1 or 10 Gbit/s link, its bytes
+  0.7 ms of it at 1 Gbit/s. It is not the hand-over in `own`, which each collective pays (half a cycle) on top.
 
-Nothing else overlaps in this model: on the measured machines Horovod's fp32 step is about its floor plus its link
-time, because the CPU that backprops is also the one that moves the bytes (wire.py's tables, 0.79-1.05x: below 1
-where, on 2 cores, one rank's wait on the link leaves the other both cores). Where the
+Nothing else overlaps in this model: on the measured machines Horovod's fp32 step on the 25M-parameter models is
+about its floor plus its link time, because the CPU that backprops is also the one that moves the bytes (wire.py's
+tables, 0.79-1.05x: below 1 where, on 2 cores, one rank's wait on the link leaves the other both cores). Where the
 model is wrong it is wrong in one place, a measured term: `benchmarks/cost_check.py` puts its predictions beside
 every published shaped-link row.
 """
@@ -293,10 +294,15 @@ def _plan(method, shapes, size, optimizer, overrides=None):
     return exchanges, dense
 
 
+def _local_settings(method, overrides):
+    """A local-step method's settings (hc.methods'), its defaults replaced by `overrides`."""
+    from hvd_compress import methods
+    return {**methods.LOCAL_STEP_METHODS[method](), **(overrides or {})}
+
+
 def _local_steps(method, overrides):
     """A local-step method's (sync_every, the compression's name, its overrides)."""
-    from hvd_compress import methods
-    settings = {**methods.LOCAL_STEP_METHODS[method](), **(overrides or {})}
+    settings = _local_settings(method, overrides)
     name = _compression_name(settings.get("compression"))
     return settings["sync_every"], name, settings["compression"].arguments if name != "none" else {}
 
@@ -330,9 +336,13 @@ def planned_collectives(method, shapes, size=2, optimizer="sgd", overrides=None)
 
 
 def planned_syncs(method, overrides=None):
-    """Times a step under `method` makes its ranks meet: once, or a local-step method's once in H steps."""
+    """Times a step under `method` makes its ranks meet: once; a local-step method's once in H steps, each of
+    Streaming DiLoCo's F fragments once in H (its exchanges run in the background, not its meetings)."""
     from hvd_compress import methods
-    return 1.0 / _local_steps(method, overrides)[0] if method in methods.LOCAL_STEP_METHODS else 1.0
+    if method not in methods.LOCAL_STEP_METHODS:
+        return 1.0
+    settings = _local_settings(method, overrides)
+    return settings.get("fragments", 1) / settings["sync_every"]
 
 
 def keras_optimizer(name):
@@ -402,7 +412,7 @@ def predict(method, shapes, compute_s, cluster, machine, optimizer="sgd", overri
         link = max(link, (n - 1) / n * elements * on_cpu.half_sum_per_element_s)
     link += planned_syncs(method, overrides) * cluster.sync_s
     own = machine.own_s(method, elements, collectives)
-    if overlap:
+    if overlap:  # (SGP's messages to one peer: its meeting too runs beside the step)
         link = max(0.0, link - (compute_s + own))
     return Step(method, compute_s, own, link, per_rank, host_link)
 

@@ -1,5 +1,6 @@
 """The cost model (hvd_compress/cost.py), the advisor (python -m hvd_compress.advise) and the checker of the published
 shaped-link rows (benchmarks/cost_check.py), as a user calls them."""
+import dataclasses
 import json
 import math
 import os
@@ -53,11 +54,12 @@ def test_a_step_is_compute_plus_own_plus_link():
 
 def test_the_ranks_meet_once_a_step_whatever_they_send():
     """Cluster.sync_s: one meeting a step for every exchanging method, however many collectives it runs; a local-step
-    method's once in H steps; nothing for a step that sends nothing."""
+    method's once in H steps (Streaming DiLoCo's once a fragment); nothing for a step that sends nothing."""
     shapes, machine = cost.MLP25M_SHAPES, cost.published_cpu("sgd")
     apart = cost.Cluster(2, cost.Link.parse("1gbit"))
     meeting = cost.Cluster(2, cost.Link.parse("1gbit"), sync_s=0.006)
-    for method, syncs in [("horovod_fp32", 1), ("fp16", 1), ("powersgd", 1), ("diloco_q4", 1 / 20)]:
+    for method, syncs in [("horovod_fp32", 1), ("fp16", 1), ("powersgd", 1), ("diloco_q4", 1 / 20),
+                          ("streaming_diloco", 4 / 20)]:  # (4 fragments, each met once in 20 steps)
         added = (cost.predict(method, shapes, 0.1, meeting, machine).link_s
                  - cost.predict(method, shapes, 0.1, apart, machine).link_s)
         assert added == pytest.approx(0.006 * syncs), method
@@ -66,24 +68,55 @@ def test_the_ranks_meet_once_a_step_whatever_they_send():
 
 
 def test_the_checker_fits_the_meeting_from_horovod_fp32s_step():
-    """Horovod fp32's step beyond its floor, its own cost and its bytes at the shaped rate's TCP payload is the
-    meeting every other row then pays, up to what the layout's slower link showed; the rest, a lower rate."""
+    """Horovod fp32's step beyond its floor, its own cost and its link's time at the shaped rate's TCP payload is the
+    meeting every other row then pays, up to what the layout's slower link showed; the rest, a lower rate. Each fit
+    gives back Horovod fp32's step (the latency of its rounds kept)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import cost_check
     import netns
     shapes, machine = cost.MLP25M_SHAPES, cost.published_cpu("sgd")
-    cluster = cost.Cluster(2, cost.Link.parse("1gbit", latency_s=0.0))
+    cluster = cost.Cluster(2, cost.Link.parse("1gbit", latency_s=50e-6))
+    base = cost.predict("horovod_fp32", shapes, 0.2, dataclasses.replace(
+        cluster, link=cost.Link(1e9 * netns.TCP_PAYLOAD_FRACTION, 50e-6)), machine).total_s
     bytes_s = MEASURED_2_RANKS["horovod_fp32"] * 8 / (1e9 * netns.TCP_PAYLOAD_FRACTION)
-    own_s = cost.predict("horovod_fp32", shapes, 0.2, cluster, machine).own_s
-    fitted = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + bytes_s + 0.007, machine, "sgd")
+
+    def fit(step_s, *cap):
+        fitted = cost_check.fitted_cluster(cluster, shapes, 0.2, step_s, machine, "sgd", *cap)
+        assert cost.predict("horovod_fp32", shapes, 0.2, fitted, machine).total_s == pytest.approx(step_s)
+        return fitted
+
+    fitted = fit(base + 0.007)
     assert fitted.sync_s == pytest.approx(0.007) and fitted.link.rate_bps == pytest.approx(0.9564 * 1e9, rel=1e-4)
     # a faster link of the same layout: the meeting at most the slower link's, the rest a lower rate
-    capped = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + 2 * bytes_s, machine, "sgd", 0.003)
+    capped = fit(base + bytes_s, 0.003)
     assert capped.sync_s == 0.003 and capped.link.rate_bps == pytest.approx(
         MEASURED_2_RANKS["horovod_fp32"] * 8 / (2 * bytes_s - 0.003))
     # a step shorter than the payload rate allows: the rate it shows, no meeting
-    fast = cost_check.fitted_link(cluster, shapes, 0.2, 0.2 + own_s + 0.98 * bytes_s, machine, "sgd")
+    fast = fit(base - 0.02 * bytes_s)
     assert fast.sync_s == 0 and 0.9564e9 < fast.link.rate_bps < 1e9
+
+
+def test_the_checker_fits_a_layouts_meeting_on_its_slowest_link():
+    """check_table: the meeting fitted at 1gbit caps the one at 10gbit (listed first); ranks that outnumber the
+    machine's cores get none; rows come back in the table's order."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cost_check
+    if not cost_check.FLAGS.is_parsed():
+        cost_check.FLAGS(["cost_check"])
+
+    def rows(hosts, fp32_ms):
+        return [dict(link=link, hosts=hosts, model="digits_cnn", method=method, **{
+            "step ms": str(ms), "accounted bytes/step/worker": "0"})
+            for link, fp32 in zip(("10gbit", "1gbit"), fp32_ms)
+            for method, ms in (("no_exchange", 4.0), ("horovod_fp32", fp32), ("onebit", 12.0))]
+
+    checked = cost_check.check_table("t", "sgd", "2 CPUs (test)", rows("2x1", (14.0, 11.0)),
+                                     cost.published_cpu("sgd"))
+    assert [r["link"] for r in checked] == ["10gbit"] * 2 + ["1gbit"] * 2
+    sync = {r["link"]: r["sync_ms"] for r in checked}
+    assert 5.0 < sync["1gbit"] < 6.5 and sync["10gbit"] == pytest.approx(sync["1gbit"])
+    shared = cost_check.check_table("t", "sgd", "2 CPUs (test)", rows("2x2", (14.0, 11.0)), cost.published_cpu("sgd"))
+    assert all(r["sync_ms"] == 0 for r in shared)
 
 
 def test_gloo_adds_float16_on_the_cpu_beside_the_link():
@@ -212,7 +245,7 @@ def test_the_advisor_command():
                                "--methods=horovod_fp32,diloco_q4", f"--sync_ms={sync_ms}"],
                               capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        link_ms[sync_ms] = {cells[1].strip(): float(cells[5]) for cells in
+        link_ms[sync_ms] = {cells[1].strip(): float(cells[5].replace(",", "")) for cells in
                             (line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| h", "| d")))}
     assert link_ms[6]["horovod_fp32"] - link_ms[0]["horovod_fp32"] == pytest.approx(6.0, abs=0.11)
     assert link_ms[6]["diloco_q4"] - link_ms[0]["diloco_q4"] == pytest.approx(0.3, abs=0.11)
