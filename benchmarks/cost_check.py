@@ -103,9 +103,9 @@ def resolve(method):
         return None
     hierarchical = method in wire.HIERARCHICAL
     base = wire.HIERARCHICAL[method] if hierarchical else method
-    name, overrides = wire.VARIANTS.get(base, (base, {}))
-    overlap = bool(overrides.pop("overlap", False)) if name == "sgp" else False
-    overrides = {k: v for k, v in overrides.items() if k != "transport"}
+    name, variant = wire.VARIANTS.get(base, (base, {}))
+    overlap = bool(variant.get("overlap", False)) if name == "sgp" else False
+    overrides = {k: v for k, v in variant.items() if k not in ("transport", "overlap")}
     return name, overrides, hierarchical, overlap
 
 

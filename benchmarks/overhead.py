@@ -164,6 +164,8 @@ def worker():
             job["step"]().numpy()
             job["times"].append(1000 * (time.perf_counter() - start))
     floor = next((job for job in jobs if job["method"] == BASELINE), None)
+    from hvd_compress import cost
+    probe_ms = 1e3 * cost.probe_s()  # this machine's pass over 16M floats, by which cost.py scales these costs
     rows = []
     for job in jobs:
         roles = exchange_roles(job["train"].get_concrete_function(x, y).graph.as_graph_def())
@@ -180,7 +182,7 @@ def worker():
             phases_ms={p: median(p) for p in PHASES}, runtime_ms=median("runtime"),
             profiled_step_ms=median("step"), top_ops=top_ops(steps, FLAGS.top_ops),
             steps=FLAGS.steps, warmup=FLAGS.warmup, profile_steps=FLAGS.profile_steps,
-            batch_size=FLAGS.batch_size, intra_op_threads=FLAGS.threads,
+            batch_size=FLAGS.batch_size, intra_op_threads=FLAGS.threads, probe_ms=probe_ms,
             horovod_allreduce_at_size_1=FLAGS.horovod_allreduce_at_size_1))
     pathlib.Path(FLAGS.result).write_text(json.dumps(rows))
 
@@ -467,7 +469,9 @@ def render(rows):
             + (f"; the round of the median {'addition' if paired else 'step'} of "
                f"{len(r0['step_ms_rounds'])}, every method once a round, with the rounds' range"
                if len(r0.get("step_ms_rounds") or []) > 1 else "")
-            + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms.")
+            + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms"
+            + (f"; the cost model's probe (a pass over 16M floats, hvd_compress.cost.probe_s) here "
+               f"{statistics.median(r['probe_ms'] for r in rows):.1f} ms" if r0.get("probe_ms") else "") + ".")
     table = results.markdown_table(
         ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],
         [[r["method"], wire.step_cell(r), added_cell(r, baseline),

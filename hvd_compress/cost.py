@@ -230,17 +230,17 @@ def probe_s(repeats=7):
 #: the 25M MLP of the published one-rank tables (benchmarks/wire.py's mlp25m: Dense 1000-3500-3500-2700-10)
 MLP25M_SHAPES = [(1000, 3500), (3500,), (3500, 3500), (3500,), (3500, 2700), (2700,), (2700, 10), (10,)]
 #: the published one-rank tables (docs/benchmarks.md, "What compression costs"; the 25M MLP, one intra-op thread,
-#: TensorFlow's BFC allocator, a 2-core AMD EPYC): what each method added to no_exchange's step, ms
-#: (and its floor, no_exchange's step, and the probe's time there in ms: estimated as the probe's 15.3 ms on one
-#: intra-op thread of a 2-core AMD EPYC Zen 5 times the two machines' floors' ratio under the optimizer, overhead.py's
-#: no_exchange with the same flags on both: 385.1 / 104.6 under SGD, 427.4 / 151.1 under AdamW. The two tables ran on
-#: one kind of machine, and the two estimates of its probe differ by 30%: the floors' ratio is not the same under
-#: the two optimizers, and each table's estimate keeps its own floor's)
+#: TensorFlow's BFC allocator, each method's step taken in turn with the floor's): what each method added to
+#: no_exchange's step, ms, with that floor (no_exchange's step) and the probe's pass (probe_s) in the same run, ms.
+#: Both tables ran on one 2-core AMD EPYC Zen 4 (AVX-512) within twenty minutes; tests/test_cost.py holds them to
+#: the published tables.
 PUBLISHED_ADDED_MS = {
-    "sgd": ("2-core AMD EPYC, momentum SGD (overhead.py at 156bc45)", 385.1, 15.3 * 385.1 / 104.6,
-            dict(none=-43.3, horovod_fp16=7.2, onebit=23.8, quantize8=97.9, topk=24.4, powersgd=-17.7, sketch=290.0)),
-    "adamw": ("2-core AMD EPYC, AdamW (overhead.py at 6e5d984)", 427.4, 15.3 * 427.4 / 151.1,
-              dict(horovod_fp16=-20.2, onebit=-91.2, quantize8=67.6, topk=-56.2, powersgd=-6.8)),
+    "sgd": ("2-core AMD EPYC Zen 4, momentum SGD (overhead.py, 2026-12-07)", 133.3, 17.7,
+            dict(none=-21.4, fp16=-15.3, horovod_fp16=3.2, onebit=-5.2, quantize8=11.4, quantize4=8.3, topk=6.0,
+                 powersgd=6.6, sketch=45.3)),
+    "adamw": ("2-core AMD EPYC Zen 4, AdamW (overhead.py, 2026-12-07)", 174.5, 20.6,
+              dict(none=19.2, fp16=24.5, horovod_fp16=8.6, onebit=-43.8, quantize8=-16.3, quantize4=-20.5,
+                   topk=-32.4, powersgd=-23.6)),
 }
 
 # The GPU kernels on an H100 (docs/gpu.md, ms per 2^26 elements): each method's worker-side and receiving-side kernels

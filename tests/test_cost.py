@@ -285,3 +285,27 @@ def test_the_checker_reads_every_published_wire_table():
             resolved = cost_check.resolve(r["method"])
             assert resolved is None or resolved[0] in (*registry.NAMES, "no_exchange"), (name, r["method"])
     assert cost_check.number("295.0 (256-301)") == 295.0 and cost_check.optimizer_of("x --optimizer=adamw") == "adamw"
+
+
+def test_sgps_overlap_is_read_from_every_row_that_names_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cost_check
+    for _ in range(2):  # (reading a row once must not change how the next one reads)
+        assert cost_check.resolve("sgp_overlap_mpi") == ("sgp", {}, False, True)
+        assert cost_check.resolve("sgp_mpi") == ("sgp", {}, False, False)
+
+
+@pytest.mark.parametrize("optimizer, section", [("sgd", "overhead_mlp25m_bfc"), ("adamw", "overhead_mlp25m_bfc_adamw")])
+def test_the_published_costs_are_the_published_one_rank_tables(optimizer, section):
+    """cost.PUBLISHED_ADDED_MS (what the advisor and auto() predict with) is docs/benchmarks.md's one-rank table
+    under the optimizer: its floor, its probe and every method's addition, not an older run's."""
+    import re
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = re.search(rf"<!-- BEGIN {section} -->\n(.*?)<!-- END {section} -->", text, re.S).group(1)
+    cells = {row[0]: row for row in (
+        [c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| "))}
+    _, floor_ms, probe_ms, added = cost.PUBLISHED_ADDED_MS[optimizer]
+    assert floor_ms == pytest.approx(float(cells["no_exchange"][1].split()[0]), abs=0.05)
+    assert probe_ms == pytest.approx(float(re.search(r"probe_s\) here ([\d.]+) ms", table).group(1)), abs=0.05)
+    published = {m: float(row[2].split()[0]) for m, row in cells.items() if m not in ("method", "no_exchange")}
+    assert added == pytest.approx(published, abs=0.05)

@@ -756,10 +756,21 @@ class BlockQuantizeRecodeMeanOp : public OpKernel {
       const float* plus;
       float* mean;
       QuantizeStats prepare(int64_t b, int64_t begin, int64_t end) const {
+        PrefetchNext(begin, end);
         QuantizeStats stats = kNoStats;
         DecodeMeanOfPiece(bits, packed, num_bytes, m, offsets, scales, num_blocks, b, begin, end, plus, mean, &stats,
                           false);  // the mean is coded next, from the cache
         return stats;
+      }
+      // Asks for the next piece's payload bytes and plus (as long as this one) while this one is decoded and
+      // coded: the coding loads nothing new, so the hardware prefetchers fall behind the streams between two
+      // decodes (4-bit codes: about 8% less time at 16M floats on a 2-core AMD EPYC Zen 4).
+      void PrefetchNext(int64_t begin, int64_t end) const {
+        const int64_t last = std::min(end + (end - begin), num_bytes * 8 / bits);
+        for (int64_t i = end; plus && i < last; i += 64 / sizeof(float)) __builtin_prefetch(plus + i);
+        for (int64_t r = 0; r < m; ++r) {
+          for (int64_t i = end * bits / 8; i < last * bits / 8; i += 64) __builtin_prefetch(packed + r * num_bytes + i);
+        }
       }
       const float* values(int64_t begin) const { return mean + begin; }
       float* residual(int64_t begin) const { return mean + begin; }
