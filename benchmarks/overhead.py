@@ -458,6 +458,7 @@ def render(rows):
     r0 = rows[0]
     paired = any(r.get("added_ms") is not None for r in rows)  # (interleaved beside the floor)
     optimizer = r0.get("optimizer", "sgd")
+    probes = [r["probe_ms"] for r in rows if r.get("probe_ms")]  # (tables of runs before the probe: none)
     note = (f"{r0['model']}, {r0['params']:,} parameters, batch {r0['batch_size']}, every method on Keras's "
             f"{wire.OPTIMIZERS[optimizer]}"
             + (" (hvd_compress's compressing from the first timed step)" if optimizer == "adamw" else "")
@@ -471,7 +472,7 @@ def render(rows):
                if len(r0.get("step_ms_rounds") or []) > 1 else "")
             + f"; phases: that round's medians over {r0['profile_steps']} profiled steps; ms"
             + (f"; the cost model's probe (a pass over 16M floats, hvd_compress.cost.probe_s) here "
-               f"{statistics.median(r['probe_ms'] for r in rows):.1f} ms" if r0.get("probe_ms") else "") + ".")
+               f"{statistics.median(probes):.1f} ms" if probes else "") + ".")
     table = results.markdown_table(
         ["method", "step", f"added to {baseline['method'] if baseline else BASELINE}", *PHASES],
         [[r["method"], wire.step_cell(r), added_cell(r, baseline),
