@@ -29,9 +29,10 @@ Each worker trains `--warmup` steps, then, between two tiny allreduce
 barriers, `--steps` timed steps, and reads its host's interface's kernel counters
 (/sys/class/net/hcw-eth/statistics, visible to it inside its namespace)
 around them (a host's link is counted once, by its local rank 0); then it idles `--idle_s` seconds, when only Horovod's own control
-traffic crosses the link (its background loop negotiates every cycle, about
-1 ms, whether or not there are tensors: ~300 kB/s per rank here, ~110 kB/s of
-it TCP payload). Per model, N and method the table shows:
+traffic crosses the link (its background loop negotiates every cycle, whether or
+not there are tensors: at stock Horovod's 1 ms cycle ~300 kB/s per rank here, ~110
+kB/s of it TCP payload; this project's Horovod rests between the cycles of a quiet
+loop, up to HOROVOD_IDLE_CYCLE_TIME, 20 ms). Per model, N and method the table shows:
 - step ms: the median step (forward, backward, exchange, update) of the slowest rank (local-step methods, which
   sync every H steps: the mean step over --steps rounded up to whole periods, each ending on a sync); with
   --rounds=R, every method runs R times in turn (round 1 runs each once, then round 2...) and the

@@ -166,7 +166,8 @@ build_horovod_wheel() {
   tar -xzf "${src}/horovod-${HOROVOD_VERSION}.tar.gz" -C "${src}"
   # The patch: XLA includes only in GPU builds (TensorFlow 2.19+ moved them), Horovod's Keras
   # callbacks take the backend of tf.keras (tf_keras), not of `import keras` (Keras 3), and Gloo's
-  # alltoall and allgather post their receives before their sends (both directions at once).
+  # alltoall and allgather post their receives before their sends (both directions at once), and the background
+  # loop rests while nothing is queued (HOROVOD_IDLE_CYCLE_TIME).
   # The GPU patch: Horovod's XLA ops and TensorFlow GPU streams on TensorFlow 2.19+ (its header says how).
   for patch_file in "${HOROVOD_PATCHES[@]}"; do
     logged patch -d "${src}/horovod-${HOROVOD_VERSION}" -p1 --forward < "${patch_file}" || {

@@ -74,13 +74,9 @@ def worker_env(extra=None):
         # Horovod's background loop negotiates the collectives every HOROVOD_CYCLE_TIME ms. The suite runs
         # two launches at once on 2 cores, where a shorter cycle's busy negotiation takes time from the ranks
         # that compute: test_hosts.py and test_accordion.py side by side took 338 s at 0.1 ms, 297 s at 1 ms
-        # (Horovod's default) and 309 s at 5 ms (one run each). Per-step results do not change.
+        # (Horovod's default) and 309 s at 5 ms (one run each). Per-step results do not change. Where nothing
+        # is queued the loop rests, as for users (this project's Horovod, HOROVOD_IDLE_CYCLE_TIME).
         "HOROVOD_CYCLE_TIME": "1",
-        # Every cycle coordinates with the other ranks even when nothing is to be sent (about 13% of a core per
-        # rank, measured idle on 2 AMD EPYC cores), and most of a test's time is building, tracing and saving,
-        # when nothing is. Our Horovod patch (patches/horovod-0.28.1.patch) lets the loop cycle every 20 ms
-        # once 200 ms have passed without a collective, and at HOROVOD_CYCLE_TIME again from the next one.
-        "HOROVOD_IDLE_CYCLE_TIME": "20",
         # Under an MPI launch, a rank that waits in MPI (Horovod's negotiation, the gossip's messages) spins
         # on its core unless told to yield, and Open MPI sees no oversubscription in -H localhost:N: the
         # 5-rank PushSum test took 126 s alone without this, 65 s with it (2 AMD EPYC cores).
