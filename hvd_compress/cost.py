@@ -22,8 +22,9 @@
   exchange among hosts crosses it, and the full-precision stages inside the host move 2 (L-1)/L x 4d bytes at the
   host's own rate (`Cluster.intra_host_rate`, or the CPU ranks' loopback where slower).
 - the CPU's share of the collectives (`HostCollectives`, by `Cluster.transport`): a flat ring through hosts of
-  several ranks runs at its slowest hop, the host's link or the ranks' loopback; Horovod fp16 over Gloo takes the
-  longer of its link's time and its float16 sums, which Gloo does in software.
+  several ranks runs at its slowest hop, the host's link or the ranks' loopback; Horovod fp16 over Gloo takes half
+  its link's time (the ring's allgather) plus the longer of the other half (its reduce-scatter) and its float16
+  sums, which Gloo does in software.
 - latency: each collective of a ring takes 2 (n-1) message rounds (allreduce) at `Link.latency_s` each.
 - sync: what a step that exchanges pays once, whatever it sends and in how many collectives (`Cluster.sync_s`):
   its ranks wait for the slowest of them and Horovod negotiates the step's collectives in one cycle. A step of
@@ -105,9 +106,10 @@ class Cluster:
 class HostCollectives:
     """What Horovod's collectives over one transport cost the CPU of a rank (benchmarks/host_collectives.py).
     half_sum_per_element_s: the seconds a rank takes to add one float16 element in an allreduce (Gloo adds float16
-    in software, an element at a time; Open MPI's sum is Horovod's own, vectorised). A ring's rank adds (n - 1) / n
-    of the vector, one segment while the next crosses the link, so a float16 allreduce takes the longer of its
-    link's time and its sums. loopback_rate_bps: the rate at which the ranks of one host move bytes between each
+    in software, an element at a time; Open MPI's sum is Horovod's own, vectorised). A ring allreduce is a
+    reduce-scatter, in which a rank adds (n - 1) / n of the vector, one segment while the next crosses the link,
+    then an allgather of the sums, which adds nothing: a float16 allreduce takes half its link's time plus the
+    longer of the other half and its sums. loopback_rate_bps: the rate at which the ranks of one host move bytes between each
     other (TCP over loopback: copies, by the cores the ranks train on), which bounds a ring's hops inside a host
     and a hierarchical exchange's stages there."""
     half_sum_per_element_s: float
@@ -235,12 +237,12 @@ MLP25M_SHAPES = [(1000, 3500), (3500,), (3500, 3500), (3500,), (3500, 2700), (27
 #: Both tables ran on one 2-core AMD EPYC Zen 4 (AVX-512) within twenty minutes; tests/test_cost.py holds them to
 #: the published tables.
 PUBLISHED_ADDED_MS = {
-    "sgd": ("2-core AMD EPYC Zen 4, momentum SGD (overhead.py, 2026-12-07)", 133.3, 17.7,
-            dict(none=-21.4, fp16=-15.3, horovod_fp16=3.2, onebit=-5.2, quantize8=11.4, quantize4=8.3, topk=6.0,
-                 powersgd=6.6, sketch=45.3)),
-    "adamw": ("2-core AMD EPYC Zen 4, AdamW (overhead.py, 2026-12-07)", 174.5, 20.6,
-              dict(none=19.2, fp16=24.5, horovod_fp16=8.6, onebit=-43.8, quantize8=-16.3, quantize4=-20.5,
-                   topk=-32.4, powersgd=-23.6)),
+    "sgd": ("2-core AMD EPYC Zen 4, momentum SGD (overhead.py, 2026-12-08)", 147.5, 23.4,
+            dict(none=-26.2, fp16=-17.7, horovod_fp16=5.0, onebit=-6.2, quantize8=12.0, quantize4=8.0, topk=6.3,
+                 powersgd=4.4, sketch=46.0)),
+    "adamw": ("2-core AMD EPYC Zen 4, AdamW (overhead.py, 2026-12-08)", 185.3, 22.1,
+              dict(none=21.4, fp16=27.1, horovod_fp16=8.5, onebit=-45.0, quantize8=-14.7, quantize4=-22.8,
+                   topk=-37.7, powersgd=-23.4)),
 }
 
 # The GPU kernels on an H100 (docs/gpu.md, ms per 2^26 elements): each method's worker-side and receiving-side kernels
@@ -408,8 +410,8 @@ def predict(method, shapes, compute_s, cluster, machine, optimizer="sgd", overri
         host_link, inside, rounds = per_rank, 0.0, 2 * (n - 1)
         rate = rate if cluster.local_size == 1 else min(rate, inside_rate)
     link = host_link * 8 / rate + inside + collectives * rounds * cluster.link.latency_s
-    if method == "horovod_fp16" and on_cpu:  # the ring's sums, beside the link's time
-        link = max(link, (n - 1) / n * elements * on_cpu.half_sum_per_element_s)
+    if method == "horovod_fp16" and on_cpu:  # the ring's sums, beside its reduce-scatter half (HostCollectives)
+        link = link / 2 + max(link / 2, (n - 1) / n * elements * on_cpu.half_sum_per_element_s)
     link += planned_syncs(method, overrides) * cluster.sync_s
     own = machine.own_s(method, elements, collectives)
     if overlap:  # (SGP's messages to one peer: its meeting too runs beside the step)
