@@ -13,7 +13,8 @@ Measures nothing: every figure is hvd_compress.cost's prediction under these ass
   collective;
 - Horovod fp16 (NCCL's ring: a host's link carries 2 (n-1)/n of the 2-byte gradient) against hvd_compress's methods
   with hierarchical=True (full precision over NVLink, compressed between hosts), under AdamW: 1-bit Adam (its Adam
-  defaults) is the low-risk method; DiLoCo in 4 bits syncs every 20 steps and loses accuracy (docs/benchmarks.md).
+  defaults) is the low-risk method; DiLoCo in 4 bits syncs every 20 steps, flat (cost.runs_flat), and loses
+  accuracy (docs/benchmarks.md).
 A cell's speed-up is Horovod fp16's predicted step over the method's.
 """
 import math
@@ -57,8 +58,8 @@ def predict_rows():
                 cluster = cost.Cluster(gpus, cost.Link.parse(link, FLAGS.latency_us * 1e-6),
                                        max(1, gpus // GPUS_PER_HOST),
                                        cost.Link.parse(FLAGS.intra_host_link).rate_bps, transport="nccl")
-                steps = {m: cost.predict(m, shapes, compute_s, cluster, cost.H100, "adamw",
-                                         hierarchical=not m.startswith("horovod")) for m in FLAGS.methods}
+                steps = {m: cost.predict(m, shapes, compute_s, cluster, cost.H100, "adamw", hierarchical=True)
+                         for m in FLAGS.methods}
                 rows.append(dict(model=model, parameters=parameters, gpus=gpus, link=link, compute_ms=compute_s * 1e3,
                                  step_ms={m: s.total_s * 1e3 for m, s in steps.items()},
                                  host_link_bytes={m: s.host_link_bytes for m, s in steps.items()}))
@@ -78,7 +79,7 @@ def render(data):
     assumptions = (f"H100s, {GPUS_PER_HOST} a host over NVLink ({data['intra_host_link']}); compute 6 N x "
                    f"{data['tokens_per_gpu']:,} tokens a GPU at {data['utilisation']:.0%} of 989 TFLOP/s; "
                    f"{data['latency_us']:g} us a message round between hosts; own costs: {cost.H100.name}; "
-                   "hvd_compress's methods hierarchical, under AdamW.")
+                   "hvd_compress's methods hierarchical, DiLoCo flat (it has no hierarchical form), under AdamW.")
     return assumptions + "\n\n" + results.markdown_table(header, body)
 
 

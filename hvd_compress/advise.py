@@ -91,8 +91,7 @@ def advise(model, compute_s, cluster, optimizer="sgd", machine=None, methods=DEF
     accuracy = ACCURACY[optimizer]
     advice = []
     for method in methods:
-        step = cost.predict(method, shapes, compute_s, cluster, machine, optimizer,
-                            hierarchical=hierarchical and method not in BASELINES)
+        step = cost.predict(method, shapes, compute_s, cluster, machine, optimizer, hierarchical=hierarchical)
         points, where = accuracy.get(method, (None, "not measured under this optimizer"))
         advice.append(Advice(step, points, where))
     return sorted(advice, key=lambda a: a.step.total_s)

@@ -309,6 +309,13 @@ def _local_steps(method, overrides):
     return settings["sync_every"], name, settings["compression"].arguments if name != "none" else {}
 
 
+def runs_flat(method):
+    """Whether `method` exchanges among all ranks alike, whatever the hosts: Horovod's own allreduce, SGP's messages
+    and the local-step methods' syncs have no hierarchical form (hc's hierarchical=True is DistributedOptimizer's)."""
+    from hvd_compress import methods
+    return method in ("horovod_fp32", "horovod_fp16", "sgp") or method in methods.LOCAL_STEP_METHODS
+
+
 def planned_bytes(method, shapes, size, optimizer="sgd", overrides=None):
     """Bytes one rank sends per step under `method` (a name of hc.methods, its defaults replaced by `overrides`) on
     tensors of `shapes` at `size` ranks (it receives as many); local steps: a sync's over its H inner steps."""
@@ -389,10 +396,12 @@ def predict(method, shapes, compute_s, cluster, machine, optimizer="sgd", overri
     """The step of `method` (a name of hc.methods, its defaults replaced by `overrides`) wrapping `optimizer` ("sgd" or
     "adamw") on a model of tensors `shapes` whose step takes `compute_s` seconds with nothing sent, on `cluster`, with
     `machine`'s own costs.
-    hierarchical: hc's hierarchical=True (averaged inside each host, compressed across; Horovod's rows, SGP and local
-    steps stay flat). overlap: the link's time runs beside the step's (SGP's overlap): the longer of the two."""
+    hierarchical: hc's hierarchical=True (averaged inside each host, compressed across) where the method has it
+    (`runs_flat`: Horovod's rows, SGP and local steps stay flat). overlap: the link's time runs beside the step's
+    (SGP's overlap): the longer of the two."""
     elements = sum(math.prod(s) for s in shapes)
     n = cluster.ranks
+    hierarchical = hierarchical and not runs_flat(method)
     if n == 1 or method == "no_exchange":
         return Step(method, compute_s, 0.0, 0.0, 0.0, 0.0)
     collectives = planned_collectives(method, shapes, n, optimizer, overrides)

@@ -59,17 +59,22 @@ def test_the_patched_loop_rests_while_its_rank_computes():
     while nothing is queued; the patch lets it rest until a collective is queued, at most HOROVOD_IDLE_CYCLE_TIME
     (20 ms where unset) per cycle, once 10 cycles have found nothing (docs/keras_features.md, "Performance notes").
     2 ranks compute 0.25 s between collectives, 4 times: rank 0's timeline marks its cycles, up to 1,000 in a
-    second of stock Horovod's loop (HOROVOD_IDLE_CYCLE_TIME=0), far fewer resting; every collective's sum is
-    right either way."""
+    second of stock Horovod's loop (HOROVOD_IDLE_CYCLE_TIME=0), far fewer resting, most of the computing time
+    spent between cycles 15 ms or more apart; every collective's sum is right either way."""
     from hvdrun import run_ranks
 
-    cycles = {}
+    cycles, rested = {}, {}
     for idle_ms in (None, "0"):
         ranks = run_ranks("resting_loop.py", "--compute_s=0.25", "--steps=4", np=2, timeout=120,
                           env={} if idle_ms is None else {"HOROVOD_IDLE_CYCLE_TIME": idle_ms})
         assert all(r["sums"] == [2.0, 0.0, 2.0, 4.0, 6.0] for r in ranks), ranks
         cycles[idle_ms] = ranks[0]["cycles"] / ranks[0]["seconds"]
+        rested[idle_ms] = ranks[0]["rested_s"] / ranks[0]["seconds"]
     # resting: a cycle in 20 ms, plus each step's collective and the 10 quiet ones before a rest (about 100 a
-    # second here, 2 AMD EPYC cores); stock: one a ms, fewer where the computing ranks keep the loop from its core
-    print(f"cycles a second while computing: {cycles[None]:.0f} resting, {cycles['0']:.0f} stock")
-    assert cycles[None] < 150 and cycles["0"] > 2.5 * cycles[None]
+    # second here, 2 AMD EPYC cores); stock: one a ms, fewer where the computing ranks, or other jobs on the
+    # machine, keep the loop from its core (177 a second beside the rest of the suite): that is not rest, and
+    # seldom lasts 15 ms
+    print(f"cycles a second while computing: {cycles[None]:.0f} resting, {cycles['0']:.0f} stock; share of the "
+          f"time between cycles 15 ms or more apart: {rested[None]:.2f} resting, {rested['0']:.2f} stock")
+    assert cycles[None] < 150 and cycles["0"] > cycles[None]
+    assert rested[None] > 0.5 and rested["0"] < rested[None] / 2

@@ -52,6 +52,19 @@ def test_a_step_is_compute_plus_own_plus_link():
     assert cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, host, cost.H100, hierarchical=True).host_link_bytes == 0
 
 
+@pytest.mark.parametrize("method", ["horovod_fp32", "horovod_fp16", "sgp", "diloco_q4", "streaming_diloco"])
+def test_methods_without_a_hierarchical_form_stay_flat(method):
+    """hierarchical=True is DistributedOptimizer's: Horovod's own allreduce, SGP and the local-step methods' syncs
+    cross the hosts' links as they do without it, where a compressing method's step changes."""
+    cluster = cost.Cluster(8, cost.Link.parse("10gbit"), hosts=2, transport="nccl")
+    flat, asked = (cost.predict(method, cost.MLP25M_SHAPES, 0.3, cluster, cost.H100, "adamw", hierarchical=h)
+                   for h in (False, True))
+    assert asked == flat
+    onebit = [cost.predict("onebit", cost.MLP25M_SHAPES, 0.3, cluster, cost.H100, "adamw", hierarchical=h)
+              for h in (False, True)]
+    assert onebit[0] != onebit[1]
+
+
 def test_the_ranks_meet_once_a_step_whatever_they_send():
     """Cluster.sync_s: one meeting a step for every exchanging method, however many collectives it runs; a local-step
     method's once in H steps (Streaming DiLoCo's once a fragment); nothing for a step that sends nothing."""

@@ -1,7 +1,8 @@
-"""How often Horovod's background loop cycles while its rank computes and no collective is queued (rank 0's
-timeline, cycles marked): Horovod's own loop cycles every HOROVOD_CYCLE_TIME (1 ms), this project's build waits
-for a collective up to HOROVOD_IDLE_CYCLE_TIME (20 ms where unset). Between collectives the ranks compute
-(--compute_s, a busy loop); every collective's sum is checked."""
+"""How Horovod's background loop cycles while its rank computes and no collective is queued (rank 0's timeline,
+cycles marked): Horovod's own loop cycles every HOROVOD_CYCLE_TIME (1 ms), this project's build waits for a
+collective up to HOROVOD_IDLE_CYCLE_TIME (20 ms where unset). Between collectives the ranks compute (--compute_s,
+a busy loop). Reports the cycles, and the seconds between cycles at least REST_S apart (the loop resting, or
+kept from its core); every collective's sum is checked."""
 import json
 import os
 import pathlib
@@ -16,6 +17,9 @@ import _worker
 flags.DEFINE_float("compute_s", 0.25, "Seconds of computing between two collectives.")
 flags.DEFINE_integer("steps", 4, "Collectives, each after compute_s of computing.")
 FLAGS = flags.FLAGS
+
+#: a gap between two cycles this long or longer counts as rest (a rest lasts up to 20 ms after its cycle began)
+REST_S = 0.015
 
 
 def compute(seconds):
@@ -43,7 +47,10 @@ def main(_):
         text = timeline.read_text()
         events = json.loads(text if text.rstrip().endswith("]") else text.rstrip().rstrip(",") + "]")
         names = [e.get("args", {}).get("name") or e.get("name") for e in events]
-        result.update(cycles=sum(e.get("name") == "CYCLE_START" for e in events), names=sorted(set(map(str, names))))
+        starts = sorted(e["ts"] / 1e6 for e in events if e.get("name") == "CYCLE_START")
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        result.update(cycles=len(starts), rested_s=sum(g for g in gaps if g >= REST_S),
+                      names=sorted(set(map(str, names))))
     _worker.report(hvd, **result)
 
 
